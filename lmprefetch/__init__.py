@@ -1,0 +1,29 @@
+"""lmprefetch: asynchronous, cancellation-correct KV-cache lookup and prefetch, on Trio.
+
+The public surface (DESIGN §3) is re-exported here; everything else is an implementation
+detail.
+"""
+
+from __future__ import annotations
+
+from .config import PrefetchConfig as PrefetchConfig
+from .hashing import ChunkHasher as ChunkHasher
+from .keys import ChunkKey as ChunkKey
+from .limiter import WeightedCapacityLimiter as WeightedCapacityLimiter
+from .memory import Arena as Arena
+from .memory import Buffer as Buffer
+from .prefetch import Engine as Engine
+from .prefetch import open_engine as open_engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Arena",
+    "Buffer",
+    "ChunkHasher",
+    "ChunkKey",
+    "Engine",
+    "PrefetchConfig",
+    "WeightedCapacityLimiter",
+    "open_engine",
+]

@@ -1,0 +1,287 @@
+"""`PrefetchConfig`: every knob of lmprefetch, validated, flat, with defaults.
+
+A config is a frozen msgspec ``Struct``.  Build it directly (``PrefetchConfig(chunk_size=128)``),
+from a mapping (:meth:`PrefetchConfig.from_dict`), from a TOML file
+(:meth:`PrefetchConfig.from_file`) or from ``LMPREFETCH_*`` environment variables
+(:meth:`PrefetchConfig.from_env`).  Every path validates every field and raises
+:class:`ValueError` whose message starts with the field's name, so a bad deployment
+fails at start-up with a sentence a person can act on.
+
+Sizes are in bytes (``*_bytes``), durations in seconds (``*_s``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = ["HASH_ALGORITHMS", "KV_DTYPES", "PrefetchConfig"]
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+#: Hash functions :class:`~lmprefetch.hashing.ChunkHasher` knows.
+HASH_ALGORITHMS = ("blake2b", "sha256")
+#: KV dtypes a key may name (the name only travels in keys; payloads are opaque bytes).
+KV_DTYPES = (
+    "bfloat16",
+    "float16",
+    "float32",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+)
+_BUFFER_BACKENDS = ("bytes", "torch")
+
+
+class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """All settings of an lmprefetch engine and of the scheduler-side client.
+
+    Each field has a default, so ``PrefetchConfig()`` is a working CPU-only setup.
+    """
+
+    # -- chunking and keys ------------------------------------------------------------
+    #: Tokens per chunk; one key (one per layer in layerwise mode) per chunk.
+    chunk_size: int = 256
+    #: Also store and look up a trailing chunk shorter than ``chunk_size``
+    #: (LMCache's ``save_unfull_chunk``).
+    save_partial_chunks: bool = False
+    #: ``blake2b`` (default) or ``sha256``; deterministic across processes.
+    hash_algorithm: str = "blake2b"
+    model_name: str = "model"
+    kv_dtype: str = "bfloat16"
+    #: Layerwise mode: every chunk has ``num_layers`` keys, one per layer.
+    layerwise: bool = False
+    num_layers: int = 1
+
+    # -- time -------------------------------------------------------------------------
+    #: The scheduler gives up on a lookup after this long, answers 0 and cancels it.
+    lookup_timeout_s: float = 3.0
+    #: A prefetched result nobody claims is released after this long.
+    claim_ttl_s: float = 30.0
+    #: Bound on one tier operation (probe or load) inside a lookup; a tier slower than
+    #: this ends the lookup's prefix at that tier.
+    tier_timeout_s: float = 2.0
+
+    # -- memory -----------------------------------------------------------------------
+    #: Size of the host-memory arena (the CPU tier and all prefetch buffers).
+    cpu_bytes: int = 1 * GiB
+    #: Size of one chunk's payload (all layers); the arena's slot size in
+    #: non-layerwise mode.
+    chunk_bytes: int = 2 * MiB
+    #: ``bytes`` (plain anonymous memory) or ``torch`` (a uint8 tensor, pinned when
+    #: CUDA is available; needs the ``torch`` extra).
+    buffer_backend: str = "bytes"
+
+    # -- disk tier --------------------------------------------------------------------
+    #: Directory of the disk tier; ``None`` disables it.
+    disk_path: str | None = None
+    #: Disk tier capacity; least recently used unpinned files are evicted past it.
+    disk_bytes: int = 16 * GiB
+    #: Read chunk files with ``O_DIRECT`` when sizes and alignment allow it.
+    disk_o_direct: bool = False
+    #: Worker threads reading chunk files at once.
+    disk_read_threads: int = 4
+    #: Chunks waiting for their write-behind to disk; past this, stores are dropped
+    #: from the disk tier (and counted), never blocking the caller.
+    disk_write_queue: int = 1024
+
+    # -- remote tier ------------------------------------------------------------------
+    #: ``redis://host:port`` for a standalone server, or a comma-separated list of
+    #: such URLs for a Redis Cluster; ``None`` disables the remote tier.
+    redis_url: str | None = None
+    #: Deadline of one Redis call.
+    redis_timeout_s: float = 1.0
+    #: Chunks waiting for their write-behind to Redis (full queue: drop and count).
+    redis_write_queue: int = 1024
+    #: Concurrent Redis calls (threads) per worker.
+    redis_threads: int = 4
+
+    # -- transport --------------------------------------------------------------------
+    #: ZeroMQ high-water mark (messages) on every lookup socket.
+    socket_hwm: int = 10_000
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- loading ----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrefetchConfig:
+        """Build a config from a mapping of field names to values.
+
+        Strings are accepted for numbers and booleans (``"256"``, ``"true"``), so values
+        from environment variables or command lines work.
+
+        Raises:
+            ValueError: a field is unknown, has the wrong type or an invalid value; the
+                message names the field.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config: expected a mapping of field names, got {type(data).__name__}")
+        known = set(cls.__struct_fields__)
+        for name in data:
+            if name not in known:
+                raise ValueError(f"{name}: unknown PrefetchConfig field (known: {sorted(known)})")
+        try:
+            return msgspec.convert(dict(data), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(_field_message(str(exc))) from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> PrefetchConfig:
+        """Load a TOML file: top-level fields, or a ``[lmprefetch]`` table.
+
+        Raises:
+            ValueError: the file is not valid TOML or holds an invalid field.
+            OSError: the file cannot be read.
+        """
+        raw = Path(path).read_bytes()
+        try:
+            doc = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a valid TOML file: {exc}") from None
+        table = doc.get("lmprefetch", doc)
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [lmprefetch] must be a table")
+        return cls.from_dict(table)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, prefix: str = "LMPREFETCH_"
+    ) -> PrefetchConfig:
+        """Build a config from ``LMPREFETCH_<FIELD>`` variables (e.g. ``LMPREFETCH_CHUNK_SIZE``).
+
+        ``LMPREFETCH_CONFIG`` names a TOML file read first; single variables override it.
+        An empty value for an optional field (``disk_path``, ``redis_url``) means ``None``.
+        """
+        env = os.environ if environ is None else environ
+        base: dict[str, Any] = {}
+        config_file = env.get(prefix + "CONFIG")
+        if config_file:
+            base = msgspec.structs.asdict(cls.from_file(config_file))
+        for name in cls.__struct_fields__:
+            value = env.get(prefix + name.upper())
+            if value is None:
+                continue
+            base[name] = None if (value == "" and name in _OPTIONAL_FIELDS) else value
+        return cls.from_dict(base)
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def keys_per_chunk(self) -> int:
+        """Keys per chunk: ``num_layers`` in layerwise mode, else 1."""
+        return self.num_layers if self.layerwise else 1
+
+    @property
+    def slot_bytes(self) -> int:
+        """Size of one arena slot: one key's payload."""
+        return self.chunk_bytes // self.keys_per_chunk
+
+    @property
+    def arena_slots(self) -> int:
+        """Number of slots in the arena."""
+        return self.cpu_bytes // self.slot_bytes
+
+    def replace(self, **changes: Any) -> PrefetchConfig:
+        """A copy with some fields changed (validated)."""
+        return msgspec.structs.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+_OPTIONAL_FIELDS = frozenset({"disk_path", "redis_url"})
+
+
+def _field_message(text: str) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.chunk_size`"; put the field first.
+    if " - at `$." in text:
+        msg, _, where = text.rpartition(" - at `$.")
+        return f"{where.rstrip('`')}: {msg}"
+    return f"config: {text}"
+
+
+def _check_type(name: str, value: object, types: tuple[type, ...], *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) and bool not in types:
+        raise ValueError(f"{name}: expected {types[0].__name__}, got bool")
+    if not isinstance(value, types):
+        raise ValueError(f"{name}: expected {types[0].__name__}, got {type(value).__name__} {value!r}")
+
+
+def _validate(c: PrefetchConfig) -> None:
+    ints = (
+        "chunk_size",
+        "num_layers",
+        "cpu_bytes",
+        "chunk_bytes",
+        "disk_bytes",
+        "disk_read_threads",
+        "disk_write_queue",
+        "redis_write_queue",
+        "redis_threads",
+        "socket_hwm",
+    )
+    for name in ints:
+        _check_type(name, getattr(c, name), (int,))
+    for name in ("lookup_timeout_s", "claim_ttl_s", "tier_timeout_s", "redis_timeout_s"):
+        _check_type(name, getattr(c, name), (float, int))
+        value = getattr(c, name)
+        if not value > 0 or value != value or value == float("inf"):
+            raise ValueError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+    for name in ("save_partial_chunks", "layerwise", "disk_o_direct"):
+        _check_type(name, getattr(c, name), (bool,))
+    for name in ("hash_algorithm", "model_name", "kv_dtype", "buffer_backend"):
+        _check_type(name, getattr(c, name), (str,))
+    _check_type("disk_path", c.disk_path, (str,), allow_none=True)
+    _check_type("redis_url", c.redis_url, (str,), allow_none=True)
+
+    if c.chunk_size < 1:
+        raise ValueError(f"chunk_size: must be at least 1 token, got {c.chunk_size}")
+    if c.hash_algorithm not in HASH_ALGORITHMS:
+        raise ValueError(f"hash_algorithm: must be one of {HASH_ALGORITHMS}, got {c.hash_algorithm!r}")
+    if not c.model_name or "@" in c.model_name:
+        raise ValueError(f"model_name: must be non-empty and contain no '@', got {c.model_name!r}")
+    if c.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: must be one of {KV_DTYPES}, got {c.kv_dtype!r}")
+    if c.num_layers < 1:
+        raise ValueError(f"num_layers: must be at least 1, got {c.num_layers}")
+    if c.chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes: must be at least 1 byte, got {c.chunk_bytes}")
+    if c.layerwise and c.chunk_bytes % c.num_layers:
+        raise ValueError(
+            f"chunk_bytes: in layerwise mode must be a multiple of num_layers "
+            f"({c.num_layers}), got {c.chunk_bytes}"
+        )
+    if c.cpu_bytes < 2 * c.chunk_bytes:
+        raise ValueError(
+            f"cpu_bytes: must hold at least two chunks of chunk_bytes ({c.chunk_bytes}), "
+            f"got {c.cpu_bytes}"
+        )
+    if c.buffer_backend not in _BUFFER_BACKENDS:
+        raise ValueError(f"buffer_backend: must be one of {_BUFFER_BACKENDS}, got {c.buffer_backend!r}")
+    if c.disk_path is not None and not c.disk_path:
+        raise ValueError("disk_path: must be a directory path or None, got an empty string")
+    if c.disk_bytes < c.chunk_bytes:
+        raise ValueError(f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}")
+    for name in ("disk_read_threads", "disk_write_queue", "redis_write_queue", "redis_threads", "socket_hwm"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"{name}: must be at least 1, got {getattr(c, name)}")
+    if c.redis_url is not None:
+        urls = [u.strip() for u in c.redis_url.split(",")]
+        for url in urls:
+            if not (url.startswith("redis://") or url.startswith("rediss://")):
+                raise ValueError(f"redis_url: each entry must start with redis:// or rediss://, got {url!r}")

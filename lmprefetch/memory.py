@@ -1,0 +1,177 @@
+"""A fixed arena of equal-size buffers with explicit owner counts.
+
+The arena is allocated once (anonymous ``mmap`` memory, page-aligned so ``O_DIRECT`` reads can
+land in it; or a torch ``uint8`` tensor, pinned when CUDA is available).  It is cut into
+``slot_bytes`` slots.  :meth:`Arena.allocate` hands out a :class:`Buffer` with one owner, or
+``None`` when every slot is taken: allocation never waits, never loops, never sleeps (LMCache's
+allocator busy-loops under pressure, D11).  A holder that shares a buffer calls
+:meth:`Buffer.retain`; each owner calls :meth:`Buffer.release` exactly once; the slot returns to
+the arena when the last owner releases.  A release past zero raises, so a double release (D01) is
+a loud bug, not a silent reuse of memory that is still indexed somewhere.
+
+Owner counts are guarded by one lock, so buffers may be released from the engine's worker
+thread (a model step leaving a claim block) as well as from the Trio thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from typing import Any
+
+__all__ = ["Arena", "Buffer", "DoubleReleaseError"]
+
+
+class DoubleReleaseError(RuntimeError):
+    """A buffer was released more times than it was owned."""
+
+
+class Buffer:
+    """One arena slot: ``length`` payload bytes at the start of a ``capacity``-byte slot."""
+
+    __slots__ = ("_arena", "_owners", "capacity", "index", "length")
+
+    def __init__(self, arena: Arena, index: int, capacity: int) -> None:
+        self._arena = arena
+        self.index = index
+        self.capacity = capacity
+        self.length = 0
+        self._owners = 0
+
+    # -- data -------------------------------------------------------------------------
+    def view(self) -> memoryview:
+        """Exactly the stored payload bytes (read-write view into the arena)."""
+        self._check_live()
+        start = self.index * self.capacity
+        return self._arena._view[start : start + self.length]
+
+    def slot(self) -> memoryview:
+        """The whole slot, for filling; set :attr:`length` after writing."""
+        self._check_live()
+        start = self.index * self.capacity
+        return self._arena._view[start : start + self.capacity]
+
+    def write(self, payload: Any) -> None:
+        """Copy ``payload`` (any bytes-like object) into the slot and set :attr:`length`."""
+        src = memoryview(payload).cast("B")
+        n = src.nbytes
+        if n > self.capacity:
+            raise ValueError(f"payload of {n} bytes does not fit a {self.capacity}-byte buffer")
+        start = self.index * self.capacity
+        self._arena._view[start : start + n] = src
+        self.length = n
+
+    def tensor(self) -> Any:
+        """The payload as a torch ``uint8`` tensor view (torch backend only)."""
+        tensor = self._arena._tensor
+        if tensor is None:
+            raise RuntimeError("Buffer.tensor() needs buffer_backend='torch'")
+        start = self.index * self.capacity
+        return tensor[start : start + self.length]
+
+    # -- ownership --------------------------------------------------------------------
+    @property
+    def owners(self) -> int:
+        return self._owners
+
+    def retain(self) -> Buffer:
+        """Add an owner; returns ``self``."""
+        with self._arena._lock:
+            if self._owners <= 0:
+                raise DoubleReleaseError(f"retain of released buffer {self.index}")
+            self._owners += 1
+        return self
+
+    def release(self) -> None:
+        """Drop one owner; the last release returns the slot to the arena."""
+        arena = self._arena
+        with arena._lock:
+            if self._owners <= 0:
+                raise DoubleReleaseError(f"buffer {self.index} released more times than owned")
+            self._owners -= 1
+            if self._owners == 0:
+                self.length = 0
+                arena._free.append(self)
+
+    def _check_live(self) -> None:
+        if self._owners <= 0:
+            raise DoubleReleaseError(f"buffer {self.index} used after its last release")
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.index} len={self.length} owners={self._owners}>"
+
+
+class Arena:
+    """``num_slots`` buffers of ``slot_bytes`` bytes each.
+
+    Args:
+        slot_bytes: size of one slot.
+        num_slots: number of slots.
+        backend: ``"bytes"`` (anonymous mmap) or ``"torch"``.
+    """
+
+    def __init__(self, slot_bytes: int, num_slots: int, *, backend: str = "bytes") -> None:
+        if slot_bytes < 1 or num_slots < 1:
+            raise ValueError("Arena needs at least one slot of at least one byte")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._lock = threading.Lock()
+        self._tensor: Any = None
+        size = slot_bytes * num_slots
+        if backend == "torch":
+            import torch
+
+            pin = bool(torch.cuda.is_available())
+            self._tensor = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self._mmap: mmap.mmap | None = None
+            self._view = memoryview(self._tensor.numpy()).cast("B")
+        elif backend == "bytes":
+            self._mmap = mmap.mmap(-1, size)
+            self._view = memoryview(self._mmap)
+        else:
+            raise ValueError(f"backend: must be 'bytes' or 'torch', got {backend!r}")
+        self._all = [Buffer(self, i, slot_bytes) for i in range(num_slots)]
+        # Pop from the end: the lowest slots are handed out first.
+        self._free: list[Buffer] = list(reversed(self._all))
+
+    def allocate(self) -> Buffer | None:
+        """A buffer with one owner, or ``None`` if every slot is in use (never waits)."""
+        with self._lock:
+            if not self._free:
+                return None
+            buf = self._free.pop()
+            buf._owners = 1
+            return buf
+
+    def allocate_many(self, n: int) -> list[Buffer]:
+        """Up to ``n`` buffers (fewer when the arena runs out), each with one owner."""
+        with self._lock:
+            take = min(n, len(self._free))
+            out = [self._free.pop() for _ in range(take)]
+            for buf in out:
+                buf._owners = 1
+            return out
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_slots * self.slot_bytes
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def close(self) -> None:
+        """Drop the backing memory (only once no buffer is in use)."""
+        self._view.release()
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        self._tensor = None

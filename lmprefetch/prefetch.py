@@ -1,0 +1,684 @@
+"""The prefetch engine: one Trio task per lookup, owning every pin and buffer it takes.
+
+Read one lookup's life top to bottom in :meth:`Engine._run_lookup`:
+
+1. Keys and ``cum_tokens`` come from ``(hashes, offsets)``: ``cum_tokens[i]`` is the number of
+   tokens in the first ``i`` chunks.
+2. Tiers are probed in order on the keys no earlier tier hit (:meth:`Engine._probe_and_load`).
+   A probe pins what it counts; the pins are registered with the lookup's exit stack before the
+   next checkpoint.  A tier with no hit is skipped and the next one gets the same keys; a tier
+   that raises or times out ends the prefix there.
+3. Each tier's load starts at once: the CPU tier's hits are zero-copy (the lookup takes an owner
+   reference on the cached buffers, synchronously); other tiers load in the lookup's nursery,
+   under the weighted limiter (weight = chunks), into freshly allocated arena buffers, while the
+   next tier is probed.  Allocation failure is a shorter prefix, never a wait.
+4. After the loads, the answer is the number of tokens in the chunks loaded *contiguously* from
+   the first chunk; everything past the first hole is released at once.
+5. Exactly one answer is given, also when the lookup fails or is cancelled first (``finally``).
+6. The loaded buffers are held until :meth:`Engine.claim` moves them to the claimer,
+   :meth:`Engine.cancel` drops them, or ``claim_ttl_s`` passes.  Leaving the task (its exit
+   stack) releases whatever it still owns.
+
+Cancel scopes replace LMCache's event manager: ``cancel`` is ``scope.cancel()`` plus a synchronous
+release of a held result, and "abort and cleanup" is the task unwinding.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
+from typing import Any
+
+import trio
+
+from .config import PrefetchConfig
+from .hashing import ChunkHasher
+from .keys import ChunkKey, KeyMaker
+from .limiter import WeightedCapacityLimiter
+from .memory import Arena, Buffer
+from .tiers.base import Tier
+from .tiers.cpu import CpuTier
+
+__all__ = ["Engine", "LookupState", "open_engine"]
+
+log = logging.getLogger("lmprefetch.engine")
+
+AnswerCallback = Callable[[int], None]
+
+
+class LookupState(enum.Enum):
+    LOADING = "loading"  # probing and loading; no answer yet
+    HELD = "held"  # answered > 0; holding buffers for a claim
+    CLAIMED = "claimed"  # buffers moved to a claimer
+    DONE = "done"  # the task has ended; owns nothing
+
+
+class _Pins:
+    """The pins one probe took on one tier; released exactly once, possibly in parts."""
+
+    __slots__ = ("keys", "tier")
+
+    def __init__(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
+        self.tier = tier
+        self.keys = list(keys)
+
+    def release_from(self, index: int) -> None:
+        tail, self.keys = self.keys[index:], self.keys[:index]
+        if tail:
+            self.tier.unpin(tail)
+
+    def release(self) -> None:
+        self.release_from(0)
+
+
+class _Part:
+    """One tier's share of a lookup: chunks ``[first, first + n_chunks)``."""
+
+    __slots__ = ("buffers", "first", "keys", "loaded", "n_chunks", "pins", "tier")
+
+    def __init__(self, tier: Tier, first: int, keys: list[ChunkKey], n_chunks: int, pins: _Pins):
+        self.tier = tier
+        self.first = first
+        self.keys = keys
+        self.n_chunks = n_chunks
+        self.pins = pins
+        self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
+        self.loaded = 0  # whole chunks loaded contiguously from ``first``
+
+    def release_buffers(self, start: int = 0) -> None:
+        tail, self.buffers = self.buffers[start:], self.buffers[:start]
+        for buf in tail:
+            buf.release()
+
+
+class _Lookup:
+    """The state of one lookup, shared between its task and ``claim``/``cancel``."""
+
+    __slots__ = ("_on_answer", "answer", "deadline", "lookup_id", "loaded", "scope", "seq",
+                 "state")
+
+    def __init__(
+        self, lookup_id: str, seq: int, deadline: float, on_answer: AnswerCallback
+    ) -> None:
+        self.lookup_id = lookup_id
+        self.seq = seq
+        self.deadline = deadline
+        self.scope = trio.CancelScope()
+        self.state = LookupState.LOADING
+        self.loaded: list[tuple[ChunkKey, Buffer]] = []  # owned until claimed or released
+        self.answer: int | None = None
+        self._on_answer = on_answer
+
+    def give_answer(self, hit_tokens: int) -> None:
+        """Answer exactly once."""
+        if self.answer is not None:
+            return
+        self.answer = hit_tokens
+        try:
+            self._on_answer(hit_tokens)
+        except Exception:  # a broken callback must not break the engine
+            log.exception("answer callback for lookup %s failed", self.lookup_id)
+
+    def release_loaded(self) -> None:
+        loaded, self.loaded = self.loaded, []
+        for _, buf in loaded:
+            buf.release()
+
+
+class Engine:
+    """One worker rank's prefetch engine.  Create it with :func:`open_engine`.
+
+    All methods run on the engine's Trio thread (``WorkerRuntime`` marshals calls from other
+    threads); :class:`~lmprefetch.memory.Buffer` releases may come from any thread.
+    """
+
+    def __init__(
+        self,
+        config: PrefetchConfig,
+        *,
+        rank: int,
+        world_size: int,
+        nursery: trio.Nursery,
+        arena: Arena,
+        cpu: CpuTier,
+        tiers: Sequence[Tier],
+        write_behind: Sequence[Any],
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.hasher = ChunkHasher(config.chunk_size, config.hash_algorithm, config.save_partial_chunks)
+        self.keys = KeyMaker(
+            config.model_name,
+            world_size,
+            rank,
+            config.kv_dtype,
+            layerwise=config.layerwise,
+            num_layers=config.num_layers,
+        )
+        self.arena = arena
+        self.cpu = cpu
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self._write_behind = tuple(write_behind)
+        self._kpc = config.keys_per_chunk
+        # Half the arena in chunks: equal-size chunks cannot fragment more than 50 %.
+        self.limiter = WeightedCapacityLimiter(max(1, arena.num_slots // self._kpc // 2))
+        self._nursery = nursery
+        self._lookups: dict[str, _Lookup] = {}  # the current lookup of each id
+        self._live: set[_Lookup] = set()  # every lookup whose task has not ended
+        self._closed = False
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_hits",
+                "lookup_misses",
+                "hit_tokens",
+                "lookups_claimed",
+                "lookups_cancelled",
+                "lookups_expired",
+                "lookups_failed",
+                "malformed_requests",
+                "deadline_expired",
+                "chunks_stored",
+                "store_rejected_chunks",
+            ),
+            0,
+        )
+        #: Called with (hit_tokens, seconds) after every answer (metrics hook).
+        self.on_lookup_done: Callable[[int, float], None] | None = None
+
+    # -- lookups ----------------------------------------------------------------------
+    def start_lookup(
+        self,
+        lookup_id: str,
+        hashes: Sequence[int],
+        offsets: Sequence[int],
+        *,
+        on_answer: AnswerCallback,
+        seq: int = 0,
+        deadline: float | None = None,
+        skip_chunks: int = 0,
+    ) -> _Lookup | None:
+        """Start a lookup and return at once.
+
+        ``on_answer(hit_tokens)`` is called exactly once, on the Trio thread: maybe before this
+        returns (a malformed request, a miss known without I/O), else from the lookup's task.
+        A running lookup with the same id is cancelled first (the id was reused).
+
+        Args:
+            lookup_id: the engine's request id.
+            hashes: one prefix-chained hash per chunk.
+            offsets: tokens per chunk (not cumulative).
+            seq: the client's sequence number for this use of ``lookup_id``.
+            deadline: Trio time after which the lookup stops loading and answers with what
+                it has (default: now + ``lookup_timeout_s``; the scheduler gives up then).
+            skip_chunks: leading chunks the engine already has; they count as hits and are
+                neither probed nor loaded.
+
+        Returns:
+            The lookup's record, or ``None`` if it was answered already.
+        """
+        started = trio.current_time()
+        self.counters["lookups"] += 1
+        old = self._lookups.pop(lookup_id, None)
+        if old is not None:
+            self._cancel_record(old)
+        n_chunks = len(hashes)
+        if (
+            len(offsets) != n_chunks
+            or not 0 <= skip_chunks <= n_chunks
+            or any(o <= 0 for o in offsets)
+        ):
+            self.counters["malformed_requests"] += 1
+            self._answer_now(on_answer, 0, started)
+            return None
+        if self._closed:
+            self._answer_now(on_answer, 0, started)
+            return None
+        if deadline is None:
+            deadline = started + self.config.lookup_timeout_s
+        elif deadline <= started:
+            self.counters["deadline_expired"] += 1
+            self._answer_now(on_answer, 0, started)
+            return None
+        cum = [0]
+        for o in offsets:
+            cum.append(cum[-1] + o)
+        if skip_chunks == n_chunks:
+            self._answer_now(on_answer, cum[n_chunks], started)
+            return None
+        keys = self.keys.keys(hashes)
+        first = keys[skip_chunks * self._kpc]
+        if all(tier.contains_now(first) is False for tier in self.tiers):
+            # A miss every tier can rule out without I/O: answer now, spawn nothing.
+            self._answer_now(on_answer, cum[skip_chunks], started)
+            return None
+        rec = _Lookup(lookup_id, seq, deadline, on_answer)
+        self._lookups[lookup_id] = rec
+        self._live.add(rec)
+        self._nursery.start_soon(
+            self._run_lookup, rec, keys, cum, skip_chunks, started, name=f"lookup:{lookup_id}"
+        )
+        return rec
+
+    def _answer_now(self, on_answer: AnswerCallback, hit_tokens: int, started: float) -> None:
+        self._count_answer(hit_tokens, started)
+        try:
+            on_answer(hit_tokens)
+        except Exception:
+            log.exception("answer callback failed")
+
+    def _count_answer(self, hit_tokens: int, started: float) -> None:
+        if hit_tokens > 0:
+            self.counters["lookup_hits"] += 1
+            self.counters["hit_tokens"] += hit_tokens
+        else:
+            self.counters["lookup_misses"] += 1
+        if self.on_lookup_done is not None:
+            self.on_lookup_done(hit_tokens, trio.current_time() - started)
+
+    async def _run_lookup(
+        self,
+        rec: _Lookup,
+        keys: list[ChunkKey],
+        cum: list[int],
+        skip_chunks: int,
+        started: float,
+    ) -> None:
+        try:
+            with rec.scope, ExitStack() as owned:
+                # Whatever the lookup still owns when it ends is released here.
+                owned.callback(rec.release_loaded)
+                try:
+                    chunks = await self._probe_and_load(rec, keys, skip_chunks, owned)
+                except Exception:
+                    log.exception("lookup %s failed; answering 0", rec.lookup_id)
+                    self.counters["lookups_failed"] += 1
+                    chunks = 0
+                    rec.release_loaded()
+                if not rec.loaded:
+                    chunks = min(chunks, skip_chunks)
+                rec.give_answer(cum[chunks])
+                self._count_answer(cum[chunks], started)
+                if not rec.loaded:
+                    return
+                rec.state = LookupState.HELD
+                await trio.sleep(self.config.claim_ttl_s)
+                self.counters["lookups_expired"] += 1
+        finally:
+            if rec.answer is None:  # cancelled or failed before the answer
+                rec.give_answer(0)
+                self._count_answer(0, started)
+            if rec.state is not LookupState.CLAIMED:
+                rec.state = LookupState.DONE
+            if self._lookups.get(rec.lookup_id) is rec:
+                del self._lookups[rec.lookup_id]
+            self._live.discard(rec)
+
+    async def _probe_and_load(
+        self, rec: _Lookup, keys: list[ChunkKey], skip_chunks: int, owned: ExitStack
+    ) -> int:
+        """Probe tiers, run their loads, keep the contiguous prefix; returns its chunk count
+        (including ``skip_chunks``).  The kept buffers end up in ``rec.loaded``."""
+        kpc = self._kpc
+        n_chunks = len(keys) // kpc
+        next_chunk = skip_chunks
+        parts: list[_Part] = []
+        # Parts own their buffers until the contiguous ones move to ``rec.loaded``.
+        owned.callback(lambda: [part.release_buffers() for part in parts])
+        tier_timeout = self.config.tier_timeout_s
+        with trio.move_on_at(rec.deadline):
+            async with trio.open_nursery() as loads:
+                for tier in self.tiers:
+                    if next_chunk >= n_chunks:
+                        break  # everything hit: stop probing early
+                    remaining = keys[next_chunk * kpc :]
+                    try:
+                        with trio.move_on_after(tier_timeout) as probe:
+                            raw = await tier.contains_prefix(remaining, pin=True)
+                    except Exception:
+                        log.warning("tier %s failed a probe; prefix ends there", tier.name,
+                                    exc_info=True)
+                        tier.stats.errors += 1
+                        break
+                    if probe.cancelled_caught:
+                        log.warning("tier %s probe timed out; prefix ends there", tier.name)
+                        tier.stats.errors += 1
+                        break
+                    # No checkpoint from here until the part is registered.
+                    raw = max(0, min(raw, len(remaining)))
+                    pins = _Pins(tier, remaining[:raw])
+                    owned.callback(pins.release)
+                    hit = raw // kpc
+                    pins.release_from(hit * kpc)  # round down to whole chunks
+                    if hit == 0:
+                        continue  # the next tier gets the same keys
+                    part = _Part(tier, next_chunk, remaining[: hit * kpc], hit, pins)
+                    parts.append(part)
+                    next_chunk += hit
+                    if isinstance(tier, CpuTier):
+                        self._take_cpu_hits(part)
+                    else:
+                        loads.start_soon(self._load_part, part)
+        # Keep the contiguous prefix; release everything past the first hole.
+        total = skip_chunks
+        hole = False
+        for part in parts:
+            if hole:
+                part.release_buffers()
+                continue
+            keep = part.loaded * kpc
+            rec.loaded.extend(zip(part.keys[:keep], part.buffers[:keep]))
+            part.buffers = part.buffers[keep:]
+            part.release_buffers()
+            total += part.loaded
+            hole = part.loaded < part.n_chunks
+        return total
+
+    def _take_cpu_hits(self, part: _Part) -> None:
+        """Zero-copy: owner references on the cached buffers, taken synchronously."""
+        cpu = self.cpu
+        part.buffers = cpu.acquire(part.keys)
+        part.loaded = len(part.buffers) // self._kpc
+        part.release_buffers(part.loaded * self._kpc)
+        part.pins.release()  # the owner references now keep the entries from eviction
+
+    async def _load_part(self, part: _Part) -> None:
+        """Load one tier's hit chunks into new arena buffers, under the limiter."""
+        kpc = self._kpc
+        tier = part.tier
+        usable = 0
+        try:
+            async with self.limiter.hold(part.n_chunks) as granted:
+                want = granted * kpc
+                self.cpu.make_room(want)
+                part.buffers = self.arena.allocate_many(want)
+                usable = len(part.buffers) // kpc * kpc
+                part.release_buffers(usable)  # allocation failure: a shorter prefix
+                if usable:
+                    with trio.move_on_after(self.config.tier_timeout_s) as load_scope:
+                        got = await tier.load(part.keys[:usable], part.buffers)
+                        part.loaded = max(0, min(got, usable)) // kpc
+                    part.release_buffers(part.loaded * kpc)
+            if usable and load_scope.cancelled_caught:
+                log.warning("tier %s load timed out; prefix ends there", tier.name)
+                tier.stats.errors += 1
+        except Exception:
+            log.warning("tier %s failed a load; prefix ends there", tier.name, exc_info=True)
+            tier.stats.errors += 1
+            part.loaded = 0
+        finally:
+            part.pins.release()
+
+    # -- claim and cancel -------------------------------------------------------------
+    def take(self, lookup_id: str) -> list[tuple[ChunkKey, Buffer]]:
+        """Move a held result to the caller, who must release every buffer (see :meth:`claim`).
+
+        Returns an empty list for an unknown, unanswered, cancelled or expired id.
+        """
+        rec = self._lookups.get(lookup_id)
+        if rec is None or rec.state is not LookupState.HELD:
+            return []
+        items, rec.loaded = rec.loaded, []
+        rec.state = LookupState.CLAIMED
+        rec.scope.cancel()
+        self.counters["lookups_claimed"] += 1
+        return items
+
+    @contextmanager
+    def claim(self, lookup_id: str) -> Iterator[list[tuple[ChunkKey, Buffer]]]:
+        """``with engine.claim(id) as chunks:`` — the held ``(key, buffer)`` pairs, contiguous
+        from the first looked-up chunk; every buffer is released when the block exits."""
+        items = self.take(lookup_id)
+        try:
+            yield items
+        finally:
+            for _, buf in items:
+                buf.release()
+
+    def cancel(self, lookup_id: str, *, seq: int | None = None) -> None:
+        """Cancel a lookup and release what it owns (synchronous, idempotent).
+
+        With ``seq`` (from a cleanup message), a lookup started with a newer sequence number
+        is left alone; ``seq`` 0 or ``None`` cancels whatever runs under ``lookup_id``.
+        """
+        rec = self._lookups.get(lookup_id)
+        if rec is None:
+            return
+        if seq and rec.seq > seq:
+            return
+        del self._lookups[lookup_id]
+        self._cancel_record(rec)
+
+    def _cancel_record(self, rec: _Lookup) -> None:
+        if rec.state in (LookupState.LOADING, LookupState.HELD):
+            self.counters["lookups_cancelled"] += 1
+        if rec.state is LookupState.HELD:
+            rec.release_loaded()  # at once, not when the task next runs
+            rec.state = LookupState.DONE
+        rec.scope.cancel()
+
+    def cancel_all(self) -> None:
+        for rec in list(self._lookups.values()):
+            self.cancel(rec.lookup_id)
+
+    def lookup_state(self, lookup_id: str) -> LookupState | None:
+        rec = self._lookups.get(lookup_id)
+        return None if rec is None else rec.state
+
+    async def lookup_and_prefetch(
+        self,
+        lookup_id: str,
+        hashes: Sequence[int],
+        offsets: Sequence[int],
+        *,
+        seq: int = 0,
+        deadline: float | None = None,
+        skip_chunks: int = 0,
+    ) -> int:
+        """Look up, prefetch, and return the hit-token count once the loads are done.
+
+        The result stays held for :meth:`claim` (until ``claim_ttl_s``).  If the caller is
+        cancelled before the answer, the lookup is cancelled and releases everything.
+        """
+        result: list[int] = []
+        done = trio.Event()
+
+        def on_answer(hit_tokens: int) -> None:
+            result.append(hit_tokens)
+            done.set()
+
+        rec = self.start_lookup(
+            lookup_id, hashes, offsets, on_answer=on_answer, seq=seq, deadline=deadline,
+            skip_chunks=skip_chunks,
+        )
+        try:
+            await done.wait()
+        finally:
+            if not result and rec is not None and self._lookups.get(lookup_id) is rec:
+                self.cancel(lookup_id)
+        return result[0]
+
+    # -- store ------------------------------------------------------------------------
+    async def store(self, token_ids: Sequence[int] | Any, payloads: Sequence[Any]) -> int:
+        """Store chunk payloads for a prompt: ``payloads[i]`` is chunk ``i``'s bytes.
+
+        The CPU tier takes them now; disk and remote tiers get them write-behind.  Returns the
+        number of leading chunks stored; when the CPU tier cannot take more (everything
+        pinned) it stores what fits.
+
+        Raises:
+            ValueError: more payloads than chunks, or a payload longer than ``chunk_bytes``
+                (or, in layerwise mode, not divisible by ``num_layers``); nothing is stored.
+        """
+        return await self.store_hashes(self.hasher.hash(token_ids), payloads)
+
+    async def store_hashes(self, hashes: Sequence[int], payloads: Sequence[Any]) -> int:
+        """:meth:`store` with precomputed chunk hashes."""
+        if len(payloads) > len(hashes):
+            raise ValueError(
+                f"payloads: {len(payloads)} payloads for a prompt of {len(hashes)} chunks"
+            )
+        views = [_as_bytes_view(p, i) for i, p in enumerate(payloads)]
+        kpc = self._kpc
+        for i, view in enumerate(views):
+            if view.nbytes > self.config.chunk_bytes:
+                raise ValueError(
+                    f"payloads[{i}]: chunk {i} has {view.nbytes} bytes, more than chunk_bytes "
+                    f"({self.config.chunk_bytes})"
+                )
+            if view.nbytes % kpc:
+                raise ValueError(
+                    f"payloads[{i}]: chunk {i} has {view.nbytes} bytes, not divisible by "
+                    f"num_layers ({kpc})"
+                )
+        keys = self.keys.keys(hashes[: len(views)])
+        stored = 0
+        for i, view in enumerate(views):
+            await trio.lowlevel.checkpoint()
+            part = view.nbytes // kpc
+            chunk_keys = keys[i * kpc : (i + 1) * kpc]
+            bufs: list[Buffer] = []
+            for layer, key in enumerate(chunk_keys):
+                buf = self.cpu.put(key, view[layer * part : (layer + 1) * part])
+                if buf is None:
+                    break
+                bufs.append(buf)
+            if len(bufs) < kpc:
+                for key in chunk_keys[: len(bufs)]:
+                    self.cpu.discard(key)
+                self.counters["store_rejected_chunks"] += len(views) - i
+                break
+            for key, buf in zip(chunk_keys, bufs):
+                for tier in self._write_behind:
+                    tier.enqueue_write(key, buf)
+            stored += 1
+        self.counters["chunks_stored"] += stored
+        return stored
+
+    # -- stats ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the engine's state and counters."""
+        inflight = held = 0
+        for rec in self._live:
+            if rec.state is LookupState.LOADING:
+                inflight += 1
+            elif rec.state is LookupState.HELD:
+                held += 1
+        lim = self.limiter.statistics()
+        out: dict[str, Any] = {
+            "inflight_lookups": inflight,
+            "held_lookups": held,
+            "pinned_chunks": sum(t.pinned_count() for t in self.tiers),
+            "limiter_used": lim.used,
+            "limiter_total": lim.total,
+            "limiter_waiting": lim.tasks_waiting,
+            "arena_total_bytes": self.arena.total_bytes,
+            "arena_used_bytes": self.arena.used_bytes,
+            "cpu_resident_bytes": self.cpu.resident_bytes,
+            "cpu_resident_chunks": len(self.cpu),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tiers": {t.name: t.stats.as_dict() for t in self.tiers},
+        }
+        out.update(self.counters)
+        return out
+
+    def is_idle(self) -> bool:
+        """Nothing in flight or held, and the conservation invariant (DESIGN §7) holds."""
+        s = self.stats()
+        return (
+            s["inflight_lookups"] == 0
+            and s["held_lookups"] == 0
+            and s["pinned_chunks"] == 0
+            and s["limiter_used"] == 0
+            and s["arena_used_bytes"] == s["cpu_resident_bytes"]
+        )
+
+    def _close(self) -> None:
+        self._closed = True
+        self.cancel_all()
+
+
+def _as_bytes_view(payload: Any, index: int) -> memoryview:
+    if hasattr(payload, "detach") and hasattr(payload, "numpy"):  # a torch tensor
+        payload = payload.detach().cpu().contiguous().view(-1).numpy().view("uint8")
+    try:
+        return memoryview(payload).cast("B")
+    except TypeError:
+        raise ValueError(
+            f"payloads[{index}]: chunk {index} is a {type(payload).__name__}, not a bytes-like "
+            "object"
+        ) from None
+
+
+@asynccontextmanager
+async def open_engine(
+    config: PrefetchConfig, *, rank: int = 0, world_size: int = 1
+) -> AsyncIterator[Engine]:
+    """Open one rank's engine: arena, tiers, and the nursery its lookups run in.
+
+    On exit every lookup is cancelled and releases what it owns, pending disk and remote writes
+    are flushed, and the CPU tier is dropped.  A new engine on the same ``disk_path`` finds the
+    chunks the old one stored.
+    """
+    if not isinstance(config, PrefetchConfig):
+        raise TypeError(f"config: expected PrefetchConfig, got {type(config).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
+    arena = Arena(config.slot_bytes, config.arena_slots, backend=config.buffer_backend)
+    cpu = CpuTier(arena)
+    tiers: list[Tier] = [cpu]
+    write_behind: list[Any] = []
+    try:
+        async with AsyncExitStack() as stack:
+            if config.disk_path is not None:
+                from .tiers.disk import open_disk_tier
+
+                disk = await stack.enter_async_context(
+                    open_disk_tier(
+                        config.disk_path,
+                        capacity_bytes=config.disk_bytes,
+                        read_threads=config.disk_read_threads,
+                        write_queue=config.disk_write_queue,
+                        o_direct=config.disk_o_direct,
+                    )
+                )
+                tiers.append(disk)
+                write_behind.append(disk)
+            if config.redis_url is not None:
+                from .tiers.redis import open_redis_tier
+
+                remote = await stack.enter_async_context(
+                    open_redis_tier(
+                        config.redis_url,
+                        timeout_s=config.redis_timeout_s,
+                        threads=config.redis_threads,
+                        write_queue=config.redis_write_queue,
+                    )
+                )
+                tiers.append(remote)
+                write_behind.append(remote)
+            async with trio.open_nursery() as nursery:
+                engine = Engine(
+                    config,
+                    rank=rank,
+                    world_size=world_size,
+                    nursery=nursery,
+                    arena=arena,
+                    cpu=cpu,
+                    tiers=tiers,
+                    write_behind=write_behind,
+                )
+                try:
+                    yield engine
+                finally:
+                    engine._close()
+    finally:
+        cpu.clear()
+        if arena.used_slots == 0:
+            arena.close()
+        else:  # buffers still claimed by someone: leave the memory to the GC
+            log.warning("engine closed with %d arena slots still claimed", arena.used_slots)

@@ -1,0 +1,163 @@
+"""The `Tier` protocol, and a base class with the default prefix probe.
+
+A tier is one place chunks live: CPU memory, local disk, a remote store.  The prefetch engine
+asks each tier, in order, how long a prefix of the remaining keys it holds
+(:meth:`Tier.contains_prefix`, pinning what it counts so it cannot be evicted before the load),
+then loads that prefix into arena buffers (:meth:`Tier.load`), which returns how many *leading*
+keys it really filled (a tier never skips a hole, D13).
+
+Rules every tier keeps:
+
+* ``contains_prefix(keys, pin=True)`` pins exactly the keys it counts, and pins them only after
+  its last checkpoint, so a cancelled probe leaves no pin behind.
+* ``unpin`` and :meth:`ZeroCopyTier.acquire` are synchronous: release must work in ``finally``
+  blocks under cancellation.
+* ``load`` fills buffers in order and returns the contiguous count; a buffer past that count may
+  hold anything and the caller releases it.  On cancellation ``load`` raises ``Cancelled`` and
+  the caller releases every buffer; no write into a buffer may happen after ``load`` returns or
+  raises (never abandon a thread that writes into a buffer).
+* Errors raised by a tier end the lookup's prefix at that tier; they never fail a lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import trio
+
+from ..keys import ChunkKey
+from ..memory import Buffer
+
+__all__ = ["BaseTier", "Tier", "TierStats", "ZeroCopyTier"]
+
+
+class TierStats:
+    """Counters every tier keeps (read by ``Engine.stats()`` and the metrics exporter)."""
+
+    __slots__ = ("bytes_loaded", "bytes_stored", "chunks_loaded", "chunks_stored", "errors",
+                 "evictions", "hits", "probes", "writes_dropped")
+
+    def __init__(self) -> None:
+        self.probes = 0
+        self.hits = 0
+        self.chunks_loaded = 0
+        self.bytes_loaded = 0
+        self.chunks_stored = 0
+        self.bytes_stored = 0
+        self.writes_dropped = 0
+        self.evictions = 0
+        self.errors = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """What the prefetch engine needs of a storage tier."""
+
+    name: str
+    stats: TierStats
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """How many leading ``keys`` this tier holds; pins them when ``pin``."""
+        ...
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        """Fill ``buffers[i]`` with ``keys[i]``'s payload, in order; the contiguous count filled."""
+        ...
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop one pin from each key (synchronous)."""
+        ...
+
+    def pinned_count(self) -> int:
+        """Pins currently held on this tier."""
+        ...
+
+    def contains_now(self, key: ChunkKey) -> bool | None:
+        """A synchronous answer to "is ``key`` here?", or ``None`` when only an await can tell."""
+        ...
+
+    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
+        """Store ``payload.view()`` under ``key``; ``False`` when the tier cannot take it."""
+        ...
+
+    async def remove(self, key: ChunkKey) -> bool:
+        """Forget ``key``; ``True`` if it was there."""
+        ...
+
+    async def aclose(self) -> None:
+        """Flush pending writes and release everything the tier owns."""
+        ...
+
+
+class ZeroCopyTier(Tier, Protocol):
+    """A tier whose hits are arena buffers already (the CPU tier): loading is taking a reference."""
+
+    def acquire(self, keys: Sequence[ChunkKey]) -> list[Buffer]:
+        """Owned references to the cached buffers of a prefix of ``keys`` (synchronous)."""
+        ...
+
+
+class BaseTier:
+    """Pin bookkeeping and a default :meth:`contains_prefix` built on per-key :meth:`contains`.
+
+    Subclasses implement :meth:`contains` (and :meth:`load`, :meth:`store`, ...).  Pins are a
+    per-key count kept here; a subclass consults :meth:`is_pinned` before evicting.
+    """
+
+    name = "tier"
+
+    def __init__(self) -> None:
+        self._pins: dict[ChunkKey, int] = {}
+        self._pin_total = 0
+        self.stats = TierStats()
+
+    async def contains(self, key: ChunkKey) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def contains_now(self, key: ChunkKey) -> bool | None:
+        return None
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """Probe keys one by one until the first miss; pin the prefix after the last await."""
+        self.stats.probes += 1
+        n = 0
+        for key in keys:
+            if not await self.contains(key):
+                break
+            n += 1
+        if n == 0:
+            await trio.lowlevel.checkpoint()  # every probe is a checkpoint, hit or miss
+        if pin:
+            self.pin(keys[:n])
+        if n:
+            self.stats.hits += 1
+        return n
+
+    # -- pins -------------------------------------------------------------------------
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+        self._pin_total += len(keys)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        pins = self._pins
+        for key in keys:
+            count = pins.get(key, 0)
+            if count <= 0:
+                raise RuntimeError(f"{self.name}: unpin of unpinned key {key.to_string()}")
+            if count == 1:
+                del pins[key]
+            else:
+                pins[key] = count - 1
+        self._pin_total -= len(keys)
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        return key in self._pins
+
+    def pinned_count(self) -> int:
+        return self._pin_total
