@@ -168,6 +168,8 @@ class Engine:
         self._nursery = nursery
         self._lookups: dict[str, _Lookup] = {}  # the current lookup of each id
         self._live: set[_Lookup] = set()  # every lookup whose task has not ended
+        self._quiet = trio.Event()  # set while no lookup task is alive
+        self._quiet.set()
         self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -249,15 +251,17 @@ class Engine:
         if skip_chunks == n_chunks:
             self._answer_now(on_answer, cum[n_chunks], started)
             return None
-        keys = self.keys.keys(hashes)
-        first = keys[skip_chunks * self._kpc]
+        first = self.keys.first_key(hashes[skip_chunks])
         if all(tier.contains_now(first) is False for tier in self.tiers):
             # A miss every tier can rule out without I/O: answer now, spawn nothing.
             self._answer_now(on_answer, cum[skip_chunks], started)
             return None
+        keys = self.keys.keys(hashes)
         rec = _Lookup(lookup_id, seq, deadline, on_answer)
         self._lookups[lookup_id] = rec
         self._live.add(rec)
+        if self._quiet.is_set():
+            self._quiet = trio.Event()
         self._nursery.start_soon(
             self._run_lookup, rec, keys, cum, skip_chunks, started, name=f"lookup:{lookup_id}"
         )
@@ -316,6 +320,8 @@ class Engine:
             if self._lookups.get(rec.lookup_id) is rec:
                 del self._lookups[rec.lookup_id]
             self._live.discard(rec)
+            if not self._live:
+                self._quiet.set()
 
     async def _probe_and_load(
         self, rec: _Lookup, keys: list[ChunkKey], skip_chunks: int, owned: ExitStack
@@ -464,6 +470,11 @@ class Engine:
         for rec in list(self._lookups.values()):
             self.cancel(rec.lookup_id)
 
+    def current_seq(self, lookup_id: str) -> int | None:
+        """The sequence number of the running lookup of ``lookup_id``, if any."""
+        rec = self._lookups.get(lookup_id)
+        return None if rec is None else rec.seq
+
     def lookup_state(self, lookup_id: str) -> LookupState | None:
         rec = self._lookups.get(lookup_id)
         return None if rec is None else rec.state
@@ -536,25 +547,28 @@ class Engine:
                 )
         keys = self.keys.keys(hashes[: len(views)])
         stored = 0
-        for i, view in enumerate(views):
-            await trio.lowlevel.checkpoint()
-            part = view.nbytes // kpc
-            chunk_keys = keys[i * kpc : (i + 1) * kpc]
-            bufs: list[Buffer] = []
-            for layer, key in enumerate(chunk_keys):
-                buf = self.cpu.put(key, view[layer * part : (layer + 1) * part])
-                if buf is None:
+        # This call's own chunks are not evicted to make room for its later chunks.
+        with ExitStack() as mine:
+            for i, view in enumerate(views):
+                await trio.lowlevel.checkpoint()
+                part = view.nbytes // kpc
+                chunk_keys = keys[i * kpc : (i + 1) * kpc]
+                bufs: list[Buffer] = []
+                for layer, key in enumerate(chunk_keys):
+                    buf = self.cpu.put(key, view[layer * part : (layer + 1) * part])
+                    if buf is None:
+                        break
+                    mine.callback(buf.retain().release)
+                    bufs.append(buf)
+                if len(bufs) < kpc:
+                    for key in chunk_keys[: len(bufs)]:
+                        self.cpu.discard(key)
+                    self.counters["store_rejected_chunks"] += len(views) - i
                     break
-                bufs.append(buf)
-            if len(bufs) < kpc:
-                for key in chunk_keys[: len(bufs)]:
-                    self.cpu.discard(key)
-                self.counters["store_rejected_chunks"] += len(views) - i
-                break
-            for key, buf in zip(chunk_keys, bufs):
-                for tier in self._write_behind:
-                    tier.enqueue_write(key, buf)
-            stored += 1
+                for key, buf in zip(chunk_keys, bufs):
+                    for tier in self._write_behind:
+                        tier.enqueue_write(key, buf)
+                stored += 1
         self.counters["chunks_stored"] += stored
         return stored
 
@@ -586,6 +600,13 @@ class Engine:
         out.update(self.counters)
         return out
 
+    async def wait_quiet(self) -> None:
+        """Wait until no lookup task is alive (every lookup answered and released, or held
+        lookups claimed, cancelled or expired)."""
+        while not self._quiet.is_set():
+            await self._quiet.wait()
+        await trio.lowlevel.checkpoint()
+
     def is_idle(self) -> bool:
         """Nothing in flight or held, and the conservation invariant (DESIGN §7) holds."""
         s = self.stats()
@@ -616,9 +637,17 @@ def _as_bytes_view(payload: Any, index: int) -> memoryview:
 
 @asynccontextmanager
 async def open_engine(
-    config: PrefetchConfig, *, rank: int = 0, world_size: int = 1
+    config: PrefetchConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    extra_tiers: Sequence[Tier] = (),
 ) -> AsyncIterator[Engine]:
     """Open one rank's engine: arena, tiers, and the nursery its lookups run in.
+
+    ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis), in order; those
+    with an ``enqueue_write`` method also get write-behind copies of stored chunks.  The
+    engine does not close them.
 
     On exit every lookup is cancelled and releases what it owns, pending disk and remote writes
     are flushed, and the CPU tier is dropped.  A new engine on the same ``disk_path`` finds the
@@ -661,6 +690,10 @@ async def open_engine(
                 )
                 tiers.append(remote)
                 write_behind.append(remote)
+            for tier in extra_tiers:
+                tiers.append(tier)
+                if hasattr(tier, "enqueue_write"):
+                    write_behind.append(tier)
             async with trio.open_nursery() as nursery:
                 engine = Engine(
                     config,

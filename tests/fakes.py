@@ -1,0 +1,94 @@
+"""In-process tiers with programmable faults, for engine tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from lmprefetch.keys import ChunkKey
+from lmprefetch.memory import Buffer
+from lmprefetch.tiers.base import BaseTier
+
+
+class FakeTier(BaseTier):
+    """A dict-backed tier.  Knobs:
+
+    * ``probe_error`` / ``load_error``: raise this from the probe / load.
+    * ``probe_hang`` / ``load_hang``: block forever in the probe / load.
+    * ``load_gate``: a ``trio.Event`` each chunk read waits on (to hold a load in flight).
+    * ``drop_before_load``: keys deleted after the probe, before the load reads them.
+    * ``chunk_delay_s``: ``trio.sleep`` before each chunk (use with ``autojump_clock``).
+    """
+
+    def __init__(self, name: str = "fake") -> None:
+        super().__init__()
+        self.name = name
+        self.data: dict[ChunkKey, bytes] = {}
+        self.probe_error: BaseException | None = None
+        self.load_error: BaseException | None = None
+        self.probe_hang = False
+        self.load_hang = False
+        self.load_gate: trio.Event | None = None
+        self.drop_before_load: set[ChunkKey] = set()
+        self.chunk_delay_s = 0.0
+        self.loads_started = 0
+        self.chunks_read = 0
+        self.max_concurrent_loads = 0
+        self._loading = 0
+
+    def contains_now(self, key: ChunkKey) -> bool | None:
+        return None
+
+    async def contains(self, key: ChunkKey) -> bool:
+        await trio.lowlevel.checkpoint()
+        if self.probe_error is not None:
+            raise self.probe_error
+        if self.probe_hang:
+            await trio.sleep_forever()
+        return key in self.data
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        self.loads_started += 1
+        self._loading += 1
+        self.max_concurrent_loads = max(self.max_concurrent_loads, self._loading)
+        try:
+            await trio.lowlevel.checkpoint()
+            if self.load_error is not None:
+                raise self.load_error
+            if self.load_hang:
+                await trio.sleep_forever()
+            for key in self.drop_before_load:
+                self.data.pop(key, None)
+            n = 0
+            for key, buf in zip(keys, buffers):
+                if self.load_gate is not None:
+                    await self.load_gate.wait()
+                if self.chunk_delay_s:
+                    await trio.sleep(self.chunk_delay_s)
+                payload = self.data.get(key)
+                if payload is None:
+                    break
+                buf.write(payload)
+                self.chunks_read += 1
+                n += 1
+            self.stats.chunks_loaded += n
+            return n
+        finally:
+            self._loading -= 1
+
+    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
+        await trio.lowlevel.checkpoint()
+        self.data[key] = bytes(payload.view())
+        return True
+
+    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
+        self.data[key] = bytes(buf.view())
+        return True
+
+    async def remove(self, key: ChunkKey) -> bool:
+        await trio.lowlevel.checkpoint()
+        return self.data.pop(key, None) is not None
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,506 @@
+"""The prefetch engine: lookup paths, claim, cancel, expiry, faults, and the defect table."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from lmprefetch import Engine, PrefetchConfig, open_engine
+from lmprefetch.prefetch import LookupState
+
+from .fakes import FakeTier
+
+CHUNK = 4  # tokens per chunk in small_config
+
+
+def tokens(n_chunks: int, salt: int = 0) -> list[int]:
+    return [salt * 100_000 + i for i in range(n_chunks * CHUNK)]
+
+
+def payloads(n_chunks: int, salt: int = 0, size: int = 48) -> list[bytes]:
+    return [bytes([(salt * 31 + i) % 251]) * size for i in range(n_chunks)]
+
+
+def offsets(n: int) -> list[int]:
+    return [CHUNK] * n
+
+
+def assert_conserved(engine: Engine) -> None:
+    s = engine.stats()
+    assert s["inflight_lookups"] == 0
+    assert s["held_lookups"] == 0
+    assert s["pinned_chunks"] == 0
+    assert s["limiter_used"] == 0
+    assert s["arena_used_bytes"] == s["cpu_resident_bytes"]
+    for tier in engine.tiers:
+        assert tier.pinned_count() == 0, tier.name
+
+
+@asynccontextmanager
+async def engine_with(
+    config: PrefetchConfig, *extra: FakeTier
+) -> AsyncIterator[Engine]:
+    async with open_engine(config, extra_tiers=extra) as engine:
+        yield engine
+
+
+async def put_in(tier: FakeTier, engine: Engine, toks: list[int], data: list[bytes]) -> list[int]:
+    hashes = engine.hasher.hash(toks)
+    for key, payload in zip(engine.keys.keys(hashes), data):
+        tier.data[key] = payload
+    return hashes
+
+
+# -- the happy paths ---------------------------------------------------------------------
+async def test_cpu_hit_claim_returns_exact_bytes(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks, data = tokens(5), payloads(5)
+        assert await engine.store(toks, data) == 5
+        hashes = engine.hasher.hash(toks)
+        assert await engine.lookup_and_prefetch("r1", hashes, offsets(5)) == 20
+        assert engine.stats()["held_lookups"] == 1
+        with engine.claim("r1") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data
+            assert [k.chunk_hash for k, _ in chunks] == hashes
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_partial_prompt_hit_counts_only_stored_prefix(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks = tokens(6)
+        await engine.store(toks[: 3 * CHUNK], payloads(3))
+        hashes = engine.hasher.hash(toks)
+        assert await engine.lookup_and_prefetch("r", hashes, offsets(6)) == 3 * CHUNK
+        with engine.claim("r") as chunks:
+            assert len(chunks) == 3
+
+
+async def test_full_miss_answers_zero_and_holds_nothing(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        hashes = engine.hasher.hash(tokens(3))
+        assert await engine.lookup_and_prefetch("m", hashes, offsets(3)) == 0
+        assert engine.stats()["held_lookups"] == 0
+        with engine.claim("m") as chunks:
+            assert chunks == []
+        assert_conserved(engine)
+
+
+async def test_partial_last_chunk_tokens_counted(small_config: PrefetchConfig) -> None:
+    config = small_config.replace(save_partial_chunks=True)
+    async with engine_with(config) as engine:
+        toks = tokens(2) + [7, 8]  # two full chunks and a 2-token tail
+        assert await engine.store(toks, payloads(3)) == 3
+        hashes = engine.hasher.hash(toks)
+        assert await engine.lookup_and_prefetch("p", hashes, [4, 4, 2]) == 10
+
+
+async def test_second_tier_hit_is_loaded_and_combined(small_config: PrefetchConfig) -> None:
+    slow = FakeTier("disk")
+    async with engine_with(small_config, slow) as engine:
+        toks, data = tokens(6), payloads(6)
+        await engine.store(toks[: 2 * CHUNK], data[:2])  # chunks 0-1 in CPU
+        hashes = await put_in(slow, engine, toks, data)  # chunks 0-5 in the fake tier
+        assert await engine.lookup_and_prefetch("t", hashes, offsets(6)) == 24
+        with engine.claim("t") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_tier_with_no_hit_is_skipped_and_next_tier_probed(
+    small_config: PrefetchConfig,
+) -> None:
+    empty, full = FakeTier("empty"), FakeTier("full")
+    async with engine_with(small_config, empty, full) as engine:
+        toks, data = tokens(3), payloads(3)
+        hashes = await put_in(full, engine, toks, data)
+        assert await engine.lookup_and_prefetch("s", hashes, offsets(3)) == 12
+        assert empty.loads_started == 0
+
+
+async def test_skip_chunks_counted_but_not_loaded(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks, data = tokens(4), payloads(4)
+        await engine.store(toks, data)
+        hashes = engine.hasher.hash(toks)
+        got = await engine.lookup_and_prefetch("k", hashes, offsets(4), skip_chunks=2)
+        assert got == 16
+        with engine.claim("k") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data[2:]
+
+
+async def test_claim_of_unknown_or_twice_is_empty(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks = tokens(2)
+        await engine.store(toks, payloads(2))
+        await engine.lookup_and_prefetch("c", engine.hasher.hash(toks), offsets(2))
+        with engine.claim("nope") as chunks:
+            assert chunks == []
+        with engine.claim("c") as chunks:
+            assert len(chunks) == 2
+        with engine.claim("c") as chunks:
+            assert chunks == []
+
+
+async def test_unclaimed_result_expires_after_ttl(
+    small_config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    config = small_config.replace(claim_ttl_s=5.0)
+    async with engine_with(config) as engine:
+        toks = tokens(3)
+        await engine.store(toks, payloads(3))
+        await engine.lookup_and_prefetch("e", engine.hasher.hash(toks), offsets(3))
+        assert engine.stats()["held_lookups"] == 1
+        await trio.sleep(4.9)
+        assert engine.stats()["held_lookups"] == 1
+        await trio.sleep(0.2)
+        assert engine.stats()["lookups_expired"] == 1
+        with engine.claim("e") as chunks:
+            assert chunks == []
+        assert_conserved(engine)
+
+
+async def test_reused_id_cancels_the_old_lookup(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks = tokens(3)
+        await engine.store(toks, payloads(3))
+        hashes = engine.hasher.hash(toks)
+        assert await engine.lookup_and_prefetch("x", hashes, offsets(3), seq=1) == 12
+        assert await engine.lookup_and_prefetch("x", hashes[:1], offsets(1), seq=2) == 4
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.stats()["held_lookups"] == 1
+        with engine.claim("x") as chunks:
+            assert len(chunks) == 1
+
+
+async def test_cleanup_with_older_seq_leaves_newer_lookup(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks = tokens(2)
+        await engine.store(toks, payloads(2))
+        hashes = engine.hasher.hash(toks)
+        await engine.lookup_and_prefetch("y", hashes, offsets(2), seq=5)
+        engine.cancel("y", seq=4)
+        assert engine.lookup_state("y") is LookupState.HELD
+        engine.cancel("y", seq=5)
+        assert engine.lookup_state("y") is None
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_malformed_request_answers_zero_and_counts(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        assert await engine.lookup_and_prefetch("bad", [1, 2, 3], [4, 4]) == 0
+        assert await engine.lookup_and_prefetch("bad2", [1], [0]) == 0
+        assert engine.stats()["malformed_requests"] == 2
+
+
+async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> None:
+    async with engine_with(small_config) as engine:
+        toks = tokens(2)
+        await engine.store(toks, payloads(2))
+        past = trio.current_time() - 1
+        got = await engine.lookup_and_prefetch("d", engine.hasher.hash(toks), offsets(2),
+                                               deadline=past)
+        assert got == 0
+        assert engine.stats()["deadline_expired"] == 1
+
+
+async def test_layerwise_keys_per_layer_and_whole_chunks(small_config: PrefetchConfig) -> None:
+    config = small_config.replace(layerwise=True, num_layers=4, chunk_bytes=64)
+    async with engine_with(config) as engine:
+        toks = tokens(3)
+        data = [bytes(range(i, i + 64)) for i in range(3)]
+        assert await engine.store(toks, data) == 3
+        assert engine.stats()["cpu_resident_chunks"] == 12
+        hashes = engine.hasher.hash(toks)
+        # Drop one layer of chunk 1: the hit stops at a whole chunk.
+        engine.cpu.discard(engine.keys.keys(hashes)[4 + 2])
+        assert await engine.lookup_and_prefetch("L", hashes, offsets(3)) == 4
+        with engine.claim("L") as chunks:
+            assert len(chunks) == 4
+            assert [k.layer for k, _ in chunks] == [0, 1, 2, 3]
+            assert b"".join(bytes(b.view()) for _, b in chunks) == data[0]
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+# -- store -------------------------------------------------------------------------------
+async def test_store_rejects_oversized_payload_naming_the_chunk(
+    small_config: PrefetchConfig,
+) -> None:
+    async with engine_with(small_config) as engine:
+        with pytest.raises(ValueError, match=r"payloads\[1\]: chunk 1"):
+            await engine.store(tokens(2), [b"a" * 10, b"b" * 65])
+        assert engine.stats()["cpu_resident_chunks"] == 0  # nothing stored
+        with pytest.raises(ValueError, match="payloads"):
+            await engine.store(tokens(1), payloads(2))
+
+
+async def test_store_when_everything_pinned_stores_what_fits(
+    small_config: PrefetchConfig,
+) -> None:
+    async with engine_with(small_config) as engine:  # 32 slots
+        held = tokens(30, salt=1)
+        await engine.store(held, payloads(30))
+        await engine.lookup_and_prefetch("hold", engine.hasher.hash(held), offsets(30))
+        assert await engine.store(tokens(5, salt=2), payloads(5)) == 2
+        assert engine.stats()["store_rejected_chunks"] == 3
+        engine.cancel("hold")
+        await engine.wait_quiet()
+        assert await engine.store(tokens(5, salt=2), payloads(5)) == 5  # evicts now
+        assert_conserved(engine)
+
+
+# -- defects -----------------------------------------------------------------------------
+async def test_d01_cached_chunk_survives_lookup_claim_cleanup_cycles(
+    small_config: PrefetchConfig,
+) -> None:
+    async with engine_with(small_config) as engine:
+        toks, data = tokens(3), payloads(3)
+        await engine.store(toks, data)
+        hashes = engine.hasher.hash(toks)
+        for i in range(50):
+            assert await engine.lookup_and_prefetch(f"r{i}", hashes, offsets(3)) == 12
+            with engine.claim(f"r{i}") as chunks:
+                assert [bytes(b.view()) for _, b in chunks] == data
+            engine.cancel(f"r{i}")  # cleanup after claim is a no-op
+            engine.cancel(f"r{i}")
+        # Churn the arena so a wrongly freed slot would be reused and overwritten.
+        await engine.store(tokens(20, salt=9), payloads(20, salt=9))
+        await engine.lookup_and_prefetch("final", hashes, offsets(3))
+        with engine.claim("final") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_d02_pins_return_to_zero_on_every_path_and_eviction_still_works(
+    small_config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    disk = FakeTier("disk")
+    config = small_config.replace(claim_ttl_s=1.0)
+    async with engine_with(config, disk) as engine:
+        toks, data = tokens(4), payloads(4)
+        await engine.store(toks, data)
+        hashes = await put_in(disk, engine, tokens(8), payloads(8))
+        hashes = engine.hasher.hash(tokens(8))
+        # hit + claim
+        await engine.lookup_and_prefetch("a", hashes, offsets(8))
+        with engine.claim("a"):
+            pass
+        # hit + cancel
+        await engine.lookup_and_prefetch("b", hashes, offsets(8))
+        engine.cancel("b")
+        # hit + expiry
+        await engine.lookup_and_prefetch("c", hashes, offsets(8))
+        await trio.sleep(2)
+        # miss
+        await engine.lookup_and_prefetch("d", [1, 2], offsets(2))
+        await engine.wait_quiet()
+        assert_conserved(engine)
+        # Every CPU entry is evictable again: fill the arena with new chunks.
+        assert await engine.store(tokens(32, salt=3), payloads(32, salt=3)) == 32
+
+
+async def test_d04_cancel_in_flight_prefetch_stops_loads_and_releases(
+    small_config: PrefetchConfig,
+) -> None:
+    disk = FakeTier("disk")
+    disk.load_gate = trio.Event()
+    async with engine_with(small_config, disk) as engine:
+        hashes = await put_in(disk, engine, tokens(6), payloads(6))
+        answers: list[int] = []
+        engine.start_lookup("inflight", hashes, offsets(6), on_answer=answers.append)
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.stats()["inflight_lookups"] == 1
+        assert engine.stats()["pinned_chunks"] == 6
+        engine.cancel("inflight")
+        await engine.wait_quiet()
+        disk.load_gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == [0]
+        assert disk.chunks_read == 0  # nothing was loaded after the cancel
+        assert_conserved(engine)
+
+
+async def test_d05_failing_tier_answers_prefix_before_it_at_once(
+    small_config: PrefetchConfig,
+) -> None:
+    broken = FakeTier("broken")
+    broken.load_error = OSError("disk on fire")
+    async with engine_with(small_config, broken) as engine:
+        toks, data = tokens(5), payloads(5)
+        await engine.store(toks[: 2 * CHUNK], data[:2])
+        hashes = await put_in(broken, engine, toks, data)
+        with trio.fail_after(1):
+            assert await engine.lookup_and_prefetch("f", hashes, offsets(5)) == 8
+        with engine.claim("f") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data[:2]
+        await engine.wait_quiet()
+        assert_conserved(engine)
+        broken.load_error = None
+        broken.probe_error = RuntimeError("probe broke")
+        assert await engine.lookup_and_prefetch("g", hashes, offsets(5)) == 8
+        assert broken.stats.errors == 2
+
+
+async def test_d05_hanging_tier_is_bounded_by_tier_timeout(
+    small_config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    config = small_config.replace(tier_timeout_s=0.5)
+    hung = FakeTier("hung")
+    async with engine_with(config, hung) as engine:
+        toks, data = tokens(4), payloads(4)
+        await engine.store(toks[:CHUNK], data[:1])
+        hashes = await put_in(hung, engine, toks, data)
+        hung.load_hang = True
+        t0 = trio.current_time()
+        assert await engine.lookup_and_prefetch("h", hashes, offsets(4)) == 4
+        assert trio.current_time() - t0 == pytest.approx(0.5)
+        hung.load_hang = False
+        hung.probe_hang = True
+        t0 = trio.current_time()
+        assert await engine.lookup_and_prefetch("h2", hashes, offsets(4)) == 4
+        assert trio.current_time() - t0 == pytest.approx(0.5)
+        engine.cancel("h")
+        engine.cancel("h2")
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_d09_concurrent_prefetches_overlap(
+    small_config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    disk = FakeTier("disk")
+    disk.chunk_delay_s = 0.01
+    config = small_config.replace(cpu_bytes=64 * 256)
+    async with engine_with(config, disk) as engine:
+        all_hashes = []
+        for i in range(8):
+            all_hashes.append(await put_in(disk, engine, tokens(4, salt=i), payloads(4, salt=i)))
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i, hashes in enumerate(all_hashes):
+                nursery.start_soon(engine.lookup_and_prefetch, f"c{i}", hashes, offsets(4))
+        elapsed = trio.current_time() - t0
+        # one lookup takes 4 × 10 ms; eight serialized would take 320 ms
+        assert elapsed == pytest.approx(0.04)
+        assert disk.max_concurrent_loads == 8
+
+
+async def test_d10_oversized_request_is_clamped_not_raised(small_config: PrefetchConfig) -> None:
+    disk = FakeTier("disk")
+    async with engine_with(small_config, disk) as engine:  # 32 slots: limiter capacity 16
+        assert engine.limiter.total == 16
+        hashes = await put_in(disk, engine, tokens(24), payloads(24))
+        assert await engine.lookup_and_prefetch("big", hashes, offsets(24)) == 16 * CHUNK
+        engine.cancel("big")
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_d11_arena_exhausted_gives_shorter_prefix_never_waits(
+    small_config: PrefetchConfig,
+) -> None:
+    disk = FakeTier("disk")
+    async with engine_with(small_config, disk) as engine:  # 32 slots
+        held = tokens(28, salt=5)
+        await engine.store(held, payloads(28, salt=5))
+        await engine.lookup_and_prefetch("pin", engine.hasher.hash(held), offsets(28))
+        hashes = await put_in(disk, engine, tokens(10), payloads(10))
+        with trio.fail_after(1):
+            assert await engine.lookup_and_prefetch("short", hashes, offsets(10)) == 4 * CHUNK
+        with engine.claim("short") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == payloads(10)[:4]
+        engine.cancel("pin")
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_d12_failed_load_never_hands_out_unread_buffers(
+    small_config: PrefetchConfig,
+) -> None:
+    disk = FakeTier("disk")
+    async with engine_with(small_config, disk) as engine:
+        toks, data = tokens(6), payloads(6)
+        hashes = await put_in(disk, engine, toks, data)
+        del disk.data[engine.keys.keys(hashes)[3]]  # the load stops at chunk 3...
+        disk.data[engine.keys.keys(hashes)[3]] = data[3]
+        disk.drop_before_load = {engine.keys.keys(hashes)[3]}  # ...after the probe counted it
+        assert await engine.lookup_and_prefetch("u", hashes, offsets(6)) == 3 * CHUNK
+        with engine.claim("u") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data[:3]
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_d13_chunk_deleted_between_probe_and_load_truncates(
+    small_config: PrefetchConfig,
+) -> None:
+    disk, remote = FakeTier("disk"), FakeTier("remote")
+    async with engine_with(small_config, disk, remote) as engine:
+        toks, data = tokens(8), payloads(8)
+        keys = engine.keys.keys(engine.hasher.hash(toks))
+        for key, payload in list(zip(keys, data))[:4]:
+            disk.data[key] = payload
+        for key, payload in zip(keys, data):
+            remote.data[key] = payload
+        disk.drop_before_load = {keys[1]}
+        hashes = engine.hasher.hash(toks)
+        assert await engine.lookup_and_prefetch("h", hashes, offsets(8)) == CHUNK
+        with engine.claim("h") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data[:1]
+        await engine.wait_quiet()
+        assert_conserved(engine)
+
+
+async def test_caller_cancelled_before_answer_cancels_lookup(small_config: PrefetchConfig) -> None:
+    disk = FakeTier("disk")
+    disk.load_gate = trio.Event()
+    async with engine_with(small_config, disk) as engine:
+        hashes = await put_in(disk, engine, tokens(3), payloads(3))
+        with trio.move_on_after(0.05):
+            await engine.lookup_and_prefetch("gone", hashes, offsets(3))
+        await engine.wait_quiet()
+        assert engine.lookup_state("gone") is None
+        assert_conserved(engine)
+
+
+async def test_close_with_lookups_in_flight_and_held_releases_all(
+    small_config: PrefetchConfig,
+) -> None:
+    disk = FakeTier("disk")
+    disk.load_gate = trio.Event()
+    answers: list[int] = []
+    async with open_engine(small_config, extra_tiers=[disk]) as engine:
+        toks = tokens(3, salt=1)
+        await engine.store(toks, payloads(3))
+        await engine.lookup_and_prefetch("held", engine.hasher.hash(toks), offsets(3))
+        hashes = await put_in(disk, engine, tokens(3), payloads(3))
+        engine.start_lookup("loading", hashes, offsets(3), on_answer=answers.append)
+        await trio.testing.wait_all_tasks_blocked()
+        arena = engine.arena
+    assert answers == [0]
+    assert arena.used_slots == 0
+
+
+async def test_answer_callback_errors_are_contained(
+    small_config: PrefetchConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(_: int) -> None:
+        raise RuntimeError("callback bug")
+
+    async with engine_with(small_config) as engine:
+        toks = tokens(2)
+        await engine.store(toks, payloads(2))
+        with caplog.at_level(logging.ERROR):
+            engine.start_lookup("cb", engine.hasher.hash(toks), offsets(2), on_answer=broken)
+            await trio.testing.wait_all_tasks_blocked()
+        assert "callback" in caplog.text
+        engine.cancel("cb")
