@@ -210,7 +210,8 @@ def _field_message(text: str) -> str:
     if " - at `$." in text:
         msg, _, where = text.rpartition(" - at `$.")
         return f"{where.rstrip('`')}: {msg}"
-    return f"config: {text}"
+    field = text.partition(":")[0]
+    return text if field in PrefetchConfig.__struct_fields__ else f"config: {text}"
 
 
 def _check_type(name: str, value: object, types: tuple[type, ...], *, allow_none: bool = False) -> None:

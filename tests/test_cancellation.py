@@ -1,0 +1,130 @@
+"""Cancellation at every checkpoint of a lookup leaves nothing behind (DESIGN §7).
+
+A trio Instrument counts the steps of a lookup's tasks (the lookup task and its per-tier load
+tasks).  A first run measures how many steps the scenario takes; then the scenario is repeated
+once per step ``k``, cancelling the lookup right after its ``k``-th step — through
+``Engine.cancel`` and, separately, by cancelling the caller of ``lookup_and_prefetch``.  After
+each run the conservation invariant must hold and exactly one answer must have been given.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+import trio.testing
+
+from lmprefetch import Engine, PrefetchConfig, open_engine
+
+from .fakes import FakeTier
+from .test_engine import CHUNK, assert_conserved, offsets, payloads, tokens
+
+
+class StepCounter(trio.abc.Instrument):
+    """Counts steps of lookup tasks; runs ``action`` after step number ``at``."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.at: int | None = None
+        self.action: Callable[[], None] | None = None
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if not (task.name.startswith("lookup:") or task.name.endswith("_load_part")):
+            return
+        self.steps += 1
+        if self.at is not None and self.steps == self.at and self.action is not None:
+            self.action()
+
+
+Setup = Callable[[Engine, FakeTier], Awaitable[list[int]]]
+
+
+async def cpu_hit(engine: Engine, disk: FakeTier) -> list[int]:
+    toks = tokens(4)
+    await engine.store(toks, payloads(4))
+    return engine.hasher.hash(toks)
+
+
+async def partial_hit(engine: Engine, disk: FakeTier) -> list[int]:
+    toks = tokens(6)
+    await engine.store(toks[: 2 * CHUNK], payloads(2))
+    hashes = engine.hasher.hash(toks)
+    for key, data in list(zip(engine.keys.keys(hashes), payloads(6)))[:4]:
+        disk.data[key] = data
+    return hashes
+
+
+async def disk_hit(engine: Engine, disk: FakeTier) -> list[int]:
+    toks = tokens(5)
+    hashes = engine.hasher.hash(toks)
+    for key, data in zip(engine.keys.keys(hashes), payloads(5)):
+        disk.data[key] = data
+    return hashes
+
+
+async def miss(engine: Engine, disk: FakeTier) -> list[int]:
+    return engine.hasher.hash(tokens(3, salt=7))
+
+
+SCENARIOS = {"cpu_hit": cpu_hit, "partial_hit": partial_hit, "disk_hit": disk_hit, "miss": miss}
+
+
+async def run_scenario(
+    config: PrefetchConfig,
+    setup: Setup,
+    counter: StepCounter,
+    *,
+    cancel_at: int | None,
+    via_caller: bool,
+) -> tuple[int, list[int]]:
+    disk = FakeTier("disk")
+    disk.chunk_delay_s = 0.001  # a checkpoint per chunk, and time passing under autojump
+    answers: list[int] = []
+    async with open_engine(config, extra_tiers=[disk]) as engine:
+        hashes = await setup(engine, disk)
+        caller = trio.CancelScope()
+        counter.steps = 0
+        counter.at = cancel_at
+        counter.action = caller.cancel if via_caller else (lambda: engine.cancel("L"))
+
+        async def call() -> None:
+            with caller:
+                answers.append(await engine.lookup_and_prefetch("L", hashes, offsets(len(hashes))))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+        # Past the answer the lookup holds its result; cancel it to end the run.
+        engine.cancel("L")
+        await engine.wait_quiet()
+        steps = counter.steps
+        counter.at = None
+        assert_conserved(engine)
+    return steps, answers
+
+
+@pytest.mark.parametrize("via_caller", [False, True], ids=["engine_cancel", "caller_cancel"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_cancel_at_every_checkpoint(scenario: str, via_caller: bool) -> None:
+    config = PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * 32)
+    setup = SCENARIOS[scenario]
+    counter = StepCounter()
+
+    def run(cancel_at: int | None) -> tuple[int, list[int]]:
+        return trio.run(
+            functools.partial(
+                run_scenario, config, setup, counter, cancel_at=cancel_at, via_caller=via_caller
+            ),
+            clock=trio.testing.MockClock(autojump_threshold=0),
+            instruments=[counter],
+        )
+
+    total, answers = run(None)
+    assert total >= 1
+    assert len(answers) == 1
+    for k in range(1, total + 1):
+        steps, answers = run(k)
+        # The caller either got the answer or was cancelled before it; never two answers.
+        assert len(answers) <= 1, (k, answers)
+        assert steps <= total + 1

@@ -1,0 +1,92 @@
+"""PrefetchConfig: defaults, validation naming the field, dict / TOML / env loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmprefetch import PrefetchConfig
+
+
+def test_defaults_are_a_working_cpu_only_setup() -> None:
+    c = PrefetchConfig()
+    assert c.chunk_size == 256
+    assert c.cpu_bytes == 1 << 30
+    assert c.chunk_bytes == 2 << 20
+    assert c.disk_path is None and c.disk_bytes == 16 << 30
+    assert c.redis_url is None
+    assert c.lookup_timeout_s == 3.0 and c.claim_ttl_s == 30.0
+    assert c.hash_algorithm == "blake2b"
+    assert c.keys_per_chunk == 1 and c.arena_slots == 512
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("chunk_size", 0),
+        ("chunk_size", "x"),
+        ("hash_algorithm", "md5"),
+        ("kv_dtype", "float64x"),
+        ("num_layers", 0),
+        ("lookup_timeout_s", 0),
+        ("claim_ttl_s", -1.0),
+        ("cpu_bytes", 10),
+        ("chunk_bytes", 0),
+        ("disk_path", ""),
+        ("redis_url", "http://localhost:6379"),
+        ("model_name", "a@b"),
+        ("buffer_backend", "cuda"),
+        ("disk_read_threads", 0),
+        ("save_partial_chunks", "maybe"),
+    ],
+)
+def test_bad_field_raises_value_error_naming_it(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        PrefetchConfig.from_dict({field: value})
+
+
+def test_direct_construction_validates_too() -> None:
+    with pytest.raises(ValueError, match="^chunk_size: "):
+        PrefetchConfig(chunk_size=-1)
+    with pytest.raises(ValueError, match="^chunk_bytes: "):
+        PrefetchConfig(layerwise=True, num_layers=3, chunk_bytes=1000)
+
+
+def test_unknown_field_is_named() -> None:
+    with pytest.raises(ValueError, match="^chunk_sise: unknown"):
+        PrefetchConfig.from_dict({"chunk_sise": 4})
+
+
+def test_from_dict_accepts_strings_for_numbers() -> None:
+    c = PrefetchConfig.from_dict({"chunk_size": "128", "layerwise": "true", "num_layers": "4"})
+    assert c.chunk_size == 128 and c.layerwise and c.num_layers == 4
+
+
+def test_from_file_top_level_and_table(tmp_path: Path) -> None:
+    p = tmp_path / "a.toml"
+    p.write_text('chunk_size = 64\ndisk_path = "/tmp/x"\n')
+    assert PrefetchConfig.from_file(p).chunk_size == 64
+    p.write_text("[lmprefetch]\nchunk_size = 32\n")
+    assert PrefetchConfig.from_file(p).chunk_size == 32
+    p.write_text("chunk_size = \n")
+    with pytest.raises(ValueError, match="TOML"):
+        PrefetchConfig.from_file(p)
+    p.write_text("chunk_size = -3\n")
+    with pytest.raises(ValueError, match="^chunk_size: "):
+        PrefetchConfig.from_file(p)
+
+
+def test_from_env(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("chunk_size = 64\nmodel_name = 'm'\n")
+    env = {"LMPREFETCH_CONFIG": str(p), "LMPREFETCH_CHUNK_SIZE": "16", "LMPREFETCH_DISK_PATH": ""}
+    c = PrefetchConfig.from_env(env)
+    assert c.chunk_size == 16 and c.model_name == "m" and c.disk_path is None
+
+
+def test_replace_validates() -> None:
+    c = PrefetchConfig()
+    assert c.replace(chunk_size=8).chunk_size == 8
+    with pytest.raises(ValueError, match="^chunk_size: "):
+        c.replace(chunk_size=0)
