@@ -26,10 +26,12 @@ release of a held result, and "abort and cleanup" is the task unwinding.
 from __future__ import annotations
 
 import enum
+import heapq
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -96,8 +98,8 @@ class _Part:
 class _Lookup:
     """The state of one lookup, shared between its task and ``claim``/``cancel``."""
 
-    __slots__ = ("_on_answer", "answer", "deadline", "lookup_id", "loaded", "scope", "seq",
-                 "state")
+    __slots__ = ("_on_answer", "answer", "deadline", "has_task", "lookup_id", "loaded", "scope",
+                 "seq", "state")
 
     def __init__(
         self, lookup_id: str, seq: int, deadline: float, on_answer: AnswerCallback
@@ -109,6 +111,7 @@ class _Lookup:
         self.state = LookupState.LOADING
         self.loaded: list[tuple[ChunkKey, Buffer]] = []  # owned until claimed or released
         self.answer: int | None = None
+        self.has_task = True  # False: answered synchronously; the expiry task ends its hold
         self._on_answer = on_answer
 
     def give_answer(self, hit_tokens: int) -> None:
@@ -170,6 +173,12 @@ class Engine:
         self._live: set[_Lookup] = set()  # every lookup whose task has not ended
         self._quiet = trio.Event()  # set while no lookup task is alive
         self._quiet.set()
+        # Results answered without a task (full CPU hits): (expiry time, tie-break, record).
+        self._expiries: list[tuple[float, int, _Lookup]] = []
+        self._expiry_scope = trio.CancelScope()
+        self._expiry_tie = 0
+        self._expiry_task_scope = trio.CancelScope()
+        nursery.start_soon(self._expire_held, name="lmprefetch-expiry")
         self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -251,11 +260,11 @@ class Engine:
         if skip_chunks == n_chunks:
             self._answer_now(on_answer, cum[n_chunks], started)
             return None
-        first = self.keys.first_key(hashes[skip_chunks])
-        if all(tier.contains_now(first) is False for tier in self.tiers):
-            # A miss every tier can rule out without I/O: answer now, spawn nothing.
-            self._answer_now(on_answer, cum[skip_chunks], started)
-            return None
+        rec = self._try_without_task(
+            lookup_id, hashes, cum, skip_chunks, seq, deadline, on_answer, started
+        )
+        if rec is not False:
+            return rec
         keys = self.keys.keys(hashes)
         rec = _Lookup(lookup_id, seq, deadline, on_answer)
         self._lookups[lookup_id] = rec
@@ -266,6 +275,86 @@ class Engine:
             self._run_lookup, rec, keys, cum, skip_chunks, started, name=f"lookup:{lookup_id}"
         )
         return rec
+
+    def _try_without_task(
+        self,
+        lookup_id: str,
+        hashes: Sequence[int],
+        cum: list[int],
+        skip_chunks: int,
+        seq: int,
+        deadline: float,
+        on_answer: AnswerCallback,
+        started: float,
+    ) -> _Lookup | None | Literal[False]:
+        """Answer at once when no I/O is needed, else return ``False``.
+
+        A lookup needs no task when the CPU tier holds the whole prompt, or holds a prefix
+        that every other tier can rule out going on from (``contains_now`` is ``False``):
+        then probing is a dictionary walk and loading is taking owner references, all
+        synchronous.  Such a result is held like any other, and the engine's expiry task
+        releases it after ``claim_ttl_s`` unless a claim or cancel comes first.
+        """
+        cpu, kpc, n_chunks = self.cpu, self._kpc, len(hashes)
+        first_key = self.keys.first_key
+        hit = skip_chunks
+        while hit < n_chunks and cpu.contains_now(first_key(hashes[hit])):
+            hit += 1
+        if hit < n_chunks:
+            nxt = first_key(hashes[hit])
+            if any(t.contains_now(nxt) is not False for t in self.tiers if t is not cpu):
+                return False
+        if hit == skip_chunks:
+            # A miss every tier can rule out without I/O: answer now, hold nothing.
+            self._answer_now(on_answer, cum[skip_chunks], started)
+            return None
+        keys = self.keys.keys(hashes[skip_chunks:hit])
+        buffers = cpu.acquire(keys)
+        whole = len(buffers) // kpc * kpc
+        for buf in buffers[whole:]:
+            buf.release()
+        if whole == 0:
+            self._answer_now(on_answer, cum[skip_chunks], started)
+            return None
+        rec = _Lookup(lookup_id, seq, deadline, on_answer)
+        rec.has_task = False
+        rec.loaded = list(zip(keys, buffers[:whole]))
+        rec.state = LookupState.HELD
+        self._lookups[lookup_id] = rec
+        expires = started + self.config.claim_ttl_s
+        heapq.heappush(self._expiries, (expires, self._expiry_tie, rec))
+        self._expiry_tie += 1
+        if expires < self._expiry_scope.deadline:
+            self._expiry_scope.deadline = expires
+        tokens = cum[skip_chunks + whole // kpc]
+        rec.give_answer(tokens)
+        self._count_answer(tokens, started)
+        return rec
+
+    async def _expire_held(self) -> None:
+        """Release results that were answered without a task once ``claim_ttl_s`` passes."""
+        heap = self._expiries
+        with self._expiry_task_scope:
+            await self._expire_loop(heap)
+
+    async def _expire_loop(self, heap: list[tuple[float, int, _Lookup]]) -> None:
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                _, _, rec = heapq.heappop(heap)
+                if rec.state is LookupState.HELD:
+                    self.counters["lookups_expired"] += 1
+                    self._end_held(rec)
+            self._expiry_scope = trio.CancelScope(deadline=heap[0][0] if heap else math.inf)
+            with self._expiry_scope:
+                await trio.sleep_forever()
+
+    def _end_held(self, rec: _Lookup) -> None:
+        """Release a held result and forget it (synchronous)."""
+        rec.release_loaded()
+        rec.state = LookupState.DONE
+        if self._lookups.get(rec.lookup_id) is rec:
+            del self._lookups[rec.lookup_id]
 
     def _answer_now(self, on_answer: AnswerCallback, hit_tokens: int, started: float) -> None:
         self._count_answer(hit_tokens, started)
@@ -404,9 +493,11 @@ class Engine:
                 usable = len(part.buffers) // kpc * kpc
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
                 if usable:
+                    t0 = trio.current_time()
                     with trio.move_on_after(self.config.tier_timeout_s) as load_scope:
                         got = await tier.load(part.keys[:usable], part.buffers)
                         part.loaded = max(0, min(got, usable)) // kpc
+                    tier.stats.load_seconds += trio.current_time() - t0
                     part.release_buffers(part.loaded * kpc)
             if usable and load_scope.cancelled_caught:
                 log.warning("tier %s load timed out; prefix ends there", tier.name)
@@ -429,7 +520,10 @@ class Engine:
             return []
         items, rec.loaded = rec.loaded, []
         rec.state = LookupState.CLAIMED
-        rec.scope.cancel()
+        if rec.has_task:
+            rec.scope.cancel()  # the task ends its hold and releases its pins
+        else:
+            del self._lookups[lookup_id]
         self.counters["lookups_claimed"] += 1
         return items
 
@@ -464,7 +558,8 @@ class Engine:
         if rec.state is LookupState.HELD:
             rec.release_loaded()  # at once, not when the task next runs
             rec.state = LookupState.DONE
-        rec.scope.cancel()
+        if rec.has_task:
+            rec.scope.cancel()
 
     def cancel_all(self) -> None:
         for rec in list(self._lookups.values()):
@@ -572,15 +667,18 @@ class Engine:
         self.counters["chunks_stored"] += stored
         return stored
 
+    async def flush(self) -> None:
+        """Wait until every write-behind queued so far is on its tier (disk, remote)."""
+        for tier in self._write_behind:
+            flush = getattr(tier, "flush", None)
+            if flush is not None:
+                await flush()
+
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """A snapshot of the engine's state and counters."""
-        inflight = held = 0
-        for rec in self._live:
-            if rec.state is LookupState.LOADING:
-                inflight += 1
-            elif rec.state is LookupState.HELD:
-                held += 1
+        inflight = sum(1 for rec in self._live if rec.state is LookupState.LOADING)
+        held = sum(1 for rec in self._lookups.values() if rec.state is LookupState.HELD)
         lim = self.limiter.statistics()
         out: dict[str, Any] = {
             "inflight_lookups": inflight,
@@ -621,6 +719,7 @@ class Engine:
     def _close(self) -> None:
         self._closed = True
         self.cancel_all()
+        self._expiry_task_scope.cancel()
 
 
 def _as_bytes_view(payload: Any, index: int) -> memoryview:

@@ -47,6 +47,9 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         self._closed = False
         self.config: PrefetchConfig | None = None
+        self.metrics: Any = None  # WorkerMetrics, when serving metrics
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
 
     @classmethod
     def start(
@@ -195,6 +198,10 @@ class WorkerRuntime:
                 return
             self._closed = True
         errors: list[BaseException] = []
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
         for cm in (self._server_cm, self._engine_cm, self._portal_cm):
             if cm is None:
                 continue

@@ -121,7 +121,8 @@ def test_cancel_at_every_checkpoint(scenario: str, via_caller: bool) -> None:
         )
 
     total, answers = run(None)
-    assert total >= 1
+    # A full CPU hit needs no I/O: it is answered without a task, so it has no checkpoint.
+    assert total >= 1 or scenario == "cpu_hit"
     assert len(answers) == 1
     for k in range(1, total + 1):
         steps, answers = run(k)

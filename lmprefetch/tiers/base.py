@@ -36,7 +36,7 @@ class TierStats:
     """Counters every tier keeps (read by ``Engine.stats()`` and the metrics exporter)."""
 
     __slots__ = ("bytes_loaded", "bytes_stored", "chunks_loaded", "chunks_stored", "errors",
-                 "evictions", "hits", "probes", "writes_dropped")
+                 "evictions", "hits", "load_seconds", "probes", "writes_dropped")
 
     def __init__(self) -> None:
         self.probes = 0
@@ -48,8 +48,10 @@ class TierStats:
         self.writes_dropped = 0
         self.evictions = 0
         self.errors = 0
+        #: Wall time spent in this tier's loads (overlapping loads add up).
+        self.load_seconds = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.__slots__}
 
 

@@ -1,0 +1,128 @@
+"""Prometheus metrics for a worker (prometheus-client).
+
+Gauges and counters are read from the engine's own :meth:`~lmprefetch.prefetch.Engine.stats`
+at scrape time, so they can never drift from what the engine knows (LMCache's async path
+reported zeros, D18).  Lookup latency is a histogram fed by the engine after every answer.
+Each worker gets its own :class:`~prometheus_client.CollectorRegistry`, so several engines in
+one process (tests, benchmarks) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["LATENCY_BUCKETS_S", "WorkerMetrics", "start_metrics_server"]
+
+#: Lookup latency buckets, from 20 µs (a CPU hit) to 5 s (past any sane timeout).
+LATENCY_BUCKETS_S = (
+    2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+
+_GAUGES = {
+    "inflight_lookups": "Lookups probing or loading now",
+    "held_lookups": "Answered lookups holding buffers for a claim",
+    "pinned_chunks": "Pins held on all tiers",
+    "limiter_used": "Prefetch limiter weight in use (chunks)",
+    "limiter_total": "Prefetch limiter capacity (chunks)",
+    "limiter_waiting": "Loads waiting for the prefetch limiter",
+    "arena_total_bytes": "Host-memory arena size",
+    "arena_used_bytes": "Host-memory arena bytes in use",
+    "cpu_resident_bytes": "Arena bytes held by the CPU tier",
+}
+_LOOKUP_RESULTS = {
+    "hit": "lookup_hits",
+    "miss": "lookup_misses",
+    "claimed": "lookups_claimed",
+    "cancelled": "lookups_cancelled",
+    "expired": "lookups_expired",
+    "failed": "lookups_failed",
+}
+_TIER_COUNTERS = {
+    "bytes_loaded": ("lmprefetch_tier_loaded_bytes", "Bytes prefetched from a tier"),
+    "chunks_loaded": ("lmprefetch_tier_loaded_chunks", "Chunks prefetched from a tier"),
+    "bytes_stored": ("lmprefetch_tier_stored_bytes", "Bytes stored into a tier"),
+    "errors": ("lmprefetch_tier_errors", "Tier operations that failed or timed out"),
+    "writes_dropped": ("lmprefetch_tier_writes_dropped", "Write-behind chunks dropped"),
+    "evictions": ("lmprefetch_tier_evictions", "Entries evicted from a tier"),
+}
+_MESSAGE_COUNTERS = {
+    "messages_malformed": "malformed",
+    "requests_stale": "stale",
+    "answers_dropped": "answer_dropped",
+}
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        for key, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"lmprefetch_{key}", doc, value=s.get(key, 0))
+        lookups = CounterMetricFamily(
+            "lmprefetch_lookups", "Lookups by result (async path included)", labels=["result"]
+        )
+        for label, key in _LOOKUP_RESULTS.items():
+            lookups.add_metric([label], s.get(key, 0))
+        yield lookups
+        yield CounterMetricFamily(
+            "lmprefetch_hit_tokens", "Tokens answered as cached", value=s.get("hit_tokens", 0)
+        )
+        tiers: dict[str, dict[str, int]] = s.get("tiers", {})
+        for key, (name, doc) in _TIER_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, counters in tiers.items():
+                family.add_metric([tier], counters.get(key, 0))
+            yield family
+        dropped = CounterMetricFamily(
+            "lmprefetch_messages_dropped", "Wire messages counted and dropped", labels=["reason"]
+        )
+        for key, label in _MESSAGE_COUNTERS.items():
+            dropped.add_metric([label], s.get(key, 0))
+        yield dropped
+
+
+class WorkerMetrics:
+    """The metrics of one worker, in their own registry.
+
+    Args:
+        stats: returns the engine's stats dict (thread-safe: called from the scrape thread).
+    """
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.latency = Histogram(
+            "lmprefetch_lookup_latency_seconds",
+            "Time from a request's arrival to its answer",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_StatsCollector(stats))
+
+    def observe(self, hit_tokens: int, seconds: float) -> None:
+        """The engine's ``on_lookup_done`` hook."""
+        self.latency.observe(seconds)
+
+
+def start_metrics_server(runtime: Any, port: int, addr: str = "127.0.0.1") -> int:
+    """Serve ``runtime``'s metrics over HTTP on ``addr:port`` (0 = any free port).
+
+    Returns:
+        The port actually bound.
+    """
+    metrics = WorkerMetrics(runtime.stats)
+    runtime.call(_install_hook, runtime.engine, metrics)
+    runtime.metrics = metrics
+    server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+    runtime._metrics_server = server
+    return int(server.server_port)
+
+
+def _install_hook(engine: Any, metrics: WorkerMetrics) -> None:
+    engine.on_lookup_done = metrics.observe
