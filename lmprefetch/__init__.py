@@ -6,6 +6,7 @@ detail.
 
 from __future__ import annotations
 
+from .client import LookupClient as LookupClient
 from .config import PrefetchConfig as PrefetchConfig
 from .hashing import ChunkHasher as ChunkHasher
 from .keys import ChunkKey as ChunkKey
@@ -14,6 +15,8 @@ from .memory import Arena as Arena
 from .memory import Buffer as Buffer
 from .prefetch import Engine as Engine
 from .prefetch import open_engine as open_engine
+from .runtime import WorkerRuntime as WorkerRuntime
+from .server import serve_lookups as serve_lookups
 
 __version__ = "0.1.0"
 
@@ -23,7 +26,10 @@ __all__ = [
     "ChunkHasher",
     "ChunkKey",
     "Engine",
+    "LookupClient",
     "PrefetchConfig",
     "WeightedCapacityLimiter",
+    "WorkerRuntime",
     "open_engine",
+    "serve_lookups",
 ]

@@ -1,0 +1,244 @@
+"""The worker-side lookup server, driven by a raw ZeroMQ peer playing the scheduler.
+
+Real sockets (abstract ipc), real clock, an outer ``fail_after`` on every test.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+import pytest
+import trio
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmprefetch import Engine, PrefetchConfig, open_engine, serve_lookups
+from lmprefetch.protocol import (
+    LookupCleanupMsg,
+    LookupRequestMsg,
+    LookupResponseMsg,
+    decode_response,
+    encode,
+)
+from lmprefetch.server import LookupServer
+
+from .fakes import FakeTier
+
+CHUNK = 4
+
+
+class Peer:
+    """The scheduler's end: a PUSH to the worker and a bound PULL for answers (blocking pyzmq,
+    used from Trio through short non-blocking polls in a worker thread)."""
+
+    def __init__(self, request_ep: str, response_ep: str) -> None:
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.linger = 0
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.linger = 0
+        self.pull.bind(response_ep)
+        self.push.connect(request_ep)
+
+    def send(self, data: bytes) -> None:
+        self.push.send(data)
+
+    def request(self, lookup_id: str, hashes: list[int], **kw: int) -> None:
+        self.send(encode(LookupRequestMsg(lookup_id, hashes, [CHUNK] * len(hashes), **kw)))
+
+    async def answer(self, timeout_s: float = 5.0) -> LookupResponseMsg:
+        def recv() -> bytes:
+            if not self.pull.poll(int(timeout_s * 1000)):
+                raise TimeoutError("no answer")
+            return self.pull.recv()
+
+        return decode_response(await trio.to_thread.run_sync(recv))
+
+    def close(self) -> None:
+        self.push.close()
+        self.pull.close()
+        self.ctx.term()
+
+
+@asynccontextmanager
+async def served(
+    config: PrefetchConfig, *extra: FakeTier, rank: int = 0, world_size: int = 1
+) -> AsyncIterator[tuple[Engine, LookupServer, Peer]]:
+    tag = uuid.uuid4().hex[:10]
+    req, resp = f"ipc://@lmp-test-{tag}-req", f"ipc://@lmp-test-{tag}-resp"
+    peer = Peer(req, resp)
+    try:
+        async with open_engine(config, rank=rank, world_size=world_size,
+                               extra_tiers=extra) as engine:
+            async with serve_lookups(engine, req, resp) as server:
+                yield engine, server, peer
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def config() -> PrefetchConfig:
+    return PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * 64)
+
+
+async def test_request_gets_one_answer_with_seq_and_worker_id(config: PrefetchConfig) -> None:
+    with trio.fail_after(10):
+        async with served(config, rank=1, world_size=2) as (engine, server, peer):
+            toks = list(range(12))
+            await engine.store(toks, [b"x" * 8] * 3)
+            peer.request("a", engine.hasher.hash(toks), seq=7)
+            got = await peer.answer()
+            assert (got.lookup_id, got.num_hit_tokens, got.seq, got.worker_id) == ("a", 12, 7, 1)
+            peer.request("b", [1, 2], seq=8)
+            got = await peer.answer()
+            assert (got.lookup_id, got.num_hit_tokens) == ("b", 0)
+            assert server.stats()["requests_received"] == 2
+
+
+async def test_lmcache_shaped_request_is_served(config: PrefetchConfig) -> None:
+    with trio.fail_after(10):
+        async with served(config) as (engine, _, peer):
+            toks = list(range(8))
+            await engine.store(toks, [b"x" * 8] * 2)
+            raw = msgspec.msgpack.encode(
+                {"type": "LookupRequestMsg", "lookup_id": "lm", "hashes": engine.hasher.hash(toks),
+                 "offsets": [4, 4], "request_configs": None}
+            )
+            peer.send(raw)
+            got = await peer.answer()
+            assert (got.lookup_id, got.num_hit_tokens) == ("lm", 8)
+
+
+async def test_d03_cleanup_cancels_and_releases_with_no_other_traffic(
+    config: PrefetchConfig,
+) -> None:
+    with trio.fail_after(10):
+        async with served(config) as (engine, _, peer):
+            toks = list(range(16))
+            await engine.store(toks, [b"x" * 8] * 4)
+            peer.request("c", engine.hasher.hash(toks), seq=1)
+            assert (await peer.answer()).num_hit_tokens == 16
+            assert engine.stats()["held_lookups"] == 1
+            peer.send(encode(LookupCleanupMsg("c", seq=1)))
+            while engine.stats()["held_lookups"]:  # the cleanup is in flight on the socket
+                await trio.sleep(0.001)
+            assert engine.is_idle()
+
+
+async def test_d06_newer_seq_cancels_older_and_stale_request_dropped(
+    config: PrefetchConfig,
+) -> None:
+    disk = FakeTier("disk")
+    disk.load_gate = trio.Event()
+    with trio.fail_after(10):
+        async with served(config, disk) as (engine, server, peer):
+            hashes = engine.hasher.hash(list(range(12)))
+            for key in engine.keys.keys(hashes):
+                disk.data[key] = b"y" * 8
+            other = list(range(100, 108))
+            await engine.store(other, [b"o" * 8] * 2)
+            peer.request("r", hashes, seq=1)  # blocks in the disk load
+            while engine.stats()["inflight_lookups"] == 0:
+                await trio.sleep(0.001)
+            peer.request("r", engine.hasher.hash(other), seq=2)  # the id is reused
+            answers = {}
+            for _ in range(2):
+                got = await peer.answer()
+                answers[got.seq] = got.num_hit_tokens
+            # The old lookup was cancelled (and still answered exactly once); the new one hit.
+            assert answers == {1: 0, 2: 8}
+            assert disk.chunks_read == 0
+            peer.request("r", hashes, seq=1)  # stale: older than the held lookup
+            peer.send(encode(LookupCleanupMsg("r", seq=2)))
+            while engine.lookup_state("r") is not None:
+                await trio.sleep(0.001)
+            assert server.stats()["requests_stale"] == 1
+
+
+async def test_d16_past_deadline_answers_zero_at_once(config: PrefetchConfig) -> None:
+    with trio.fail_after(10):
+        async with served(config) as (engine, _, peer):
+            toks = list(range(8))
+            await engine.store(toks, [b"x" * 8] * 2)
+            past_ms = int((time.time() - 1) * 1000)
+            peer.request("late", engine.hasher.hash(toks), deadline_ms=past_ms)
+            assert (await peer.answer()).num_hit_tokens == 0
+            assert engine.stats()["deadline_expired"] == 1
+            assert engine.stats()["held_lookups"] == 0
+
+
+async def test_d16_worker_stops_at_the_request_deadline(config: PrefetchConfig) -> None:
+    hung = FakeTier("hung")
+    hung.load_hang = True
+    cfg = config.replace(tier_timeout_s=60.0)
+    with trio.fail_after(10):
+        async with served(cfg, hung) as (engine, _, peer):
+            hashes = engine.hasher.hash(list(range(8)))
+            for key in engine.keys.keys(hashes):
+                hung.data[key] = b"z" * 8
+            t0 = time.monotonic()
+            peer.request("d", hashes, deadline_ms=int((time.time() + 0.2) * 1000))
+            assert (await peer.answer()).num_hit_tokens == 0
+            assert time.monotonic() - t0 < 2.0
+            await engine.wait_quiet()
+            assert engine.is_idle()
+
+
+async def test_malformed_messages_counted_and_dropped(config: PrefetchConfig) -> None:
+    with trio.fail_after(10):
+        async with served(config) as (engine, server, peer):
+            peer.send(b"\xc1 not msgpack")
+            peer.send(msgspec.msgpack.encode({"type": "Nope", "lookup_id": "x"}))
+            peer.send(msgspec.msgpack.encode({"type": "LookupRequestMsg", "lookup_id": 5}))
+            peer.send(encode(LookupRequestMsg("m", [1, 2, 3], [4, 4])))  # lengths disagree
+            got = await peer.answer()
+            assert (got.lookup_id, got.num_hit_tokens) == ("m", 0)
+            peer.request("ok", [1])
+            assert (await peer.answer()).lookup_id == "ok"
+            assert server.stats()["messages_malformed"] == 4
+            assert engine.stats()["malformed_requests"] == 1
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    garbage=st.lists(
+        st.one_of(
+            st.binary(max_size=64),
+            st.builds(
+                lambda d: msgspec.msgpack.encode(d),
+                st.dictionaries(
+                    st.sampled_from(["type", "lookup_id", "hashes", "offsets", "seq",
+                                     "deadline_ms", "skip_chunks", "request_configs"]),
+                    st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8),
+                              st.lists(st.integers(-5, 2**64 - 1), max_size=4), st.none(),
+                              st.sampled_from(["LookupRequestMsg", "LookupCleanupMsg"])),
+                ),
+            ),
+        ),
+        min_size=200,
+        max_size=400,
+    )
+)
+def test_fuzzed_messages_never_stop_the_worker(garbage: list[bytes]) -> None:
+    config = PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * 64)
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with served(config) as (engine, server, peer):
+                for data in garbage * 5:  # thousands of messages
+                    peer.send(data)
+                peer.request("alive", [42], seq=10**6)
+                while True:
+                    got = await peer.answer()
+                    if got.lookup_id == "alive":
+                        break
+                engine.cancel_all()
+                await engine.wait_quiet()
+                assert engine.is_idle()
+
+    trio.run(main)
