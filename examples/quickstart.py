@@ -14,15 +14,16 @@ from lmprefetch import LookupClient, PrefetchConfig, WorkerRuntime
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as disk:
-        config = PrefetchConfig(
-            chunk_size=16, chunk_bytes=4096, cpu_bytes=1 << 20, disk_path=disk
-        )
+        config = PrefetchConfig(chunk_size=16, chunk_bytes=4096, cpu_bytes=1 << 20, disk_path=disk)
         tag = uuid.uuid4().hex[:8]
         worker_ep, sched_ep = f"ipc://@quickstart-{tag}-w0", f"ipc://@quickstart-{tag}-sched"
 
-        with WorkerRuntime.start(
-            config, rank=0, world_size=1, request_endpoint=worker_ep, response_endpoint=sched_ep
-        ) as worker, LookupClient(config, [worker_ep], sched_ep) as client:
+        with (
+            WorkerRuntime.start(
+                config, rank=0, world_size=1, request_endpoint=worker_ep, response_endpoint=sched_ep
+            ) as worker,
+            LookupClient(config, [worker_ep], sched_ep) as client,
+        ):
             prompt = list(range(100))  # 6 full chunks of 16 tokens (+ 4 tokens never cached)
             # After a prefill, the model step stores one payload (its KV bytes) per chunk.
             stored = worker.store(prompt, [bytes([i]) * 4096 for i in range(6)])
@@ -35,7 +36,9 @@ def main() -> None:
 
             # The model step claims the prefetched chunks and copies them into its KV cache.
             with worker.claim("req-1") as chunks:
-                print(f"claimed {len(chunks)} chunks, first bytes {bytes(chunks[0][1].view()[:4])!r}")
+                print(
+                    f"claimed {len(chunks)} chunks, first bytes {bytes(chunks[0][1].view()[:4])!r}"
+                )
             client.forget("req-1")
 
             # A prompt that shares the first 3 chunks hits those only.

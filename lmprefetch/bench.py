@@ -197,8 +197,7 @@ def _measure_cancel(runtime: Any, n: int) -> list[float]:
         # Different hashes that are not a chain still load as a "prefix" per tier:
         # the probe walks keys in order, which is all this measurement needs.
         done: list[int] = []
-        engine.start_lookup(f"cancel-probe-{i}", hashes, [1] * len(hashes),
-                            on_answer=done.append)
+        engine.start_lookup(f"cancel-probe-{i}", hashes, [1] * len(hashes), on_answer=done.append)
         await trio.testing.wait_all_tasks_blocked()  # the load is in flight (in its threads)
         t0 = time.perf_counter()
         engine.cancel(f"cancel-probe-{i}")
@@ -498,8 +497,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(
                     target=_worker_main,
-                    args=(child, cfg.to_dict(), r, opts.workers, worker_eps[r], resp,
-                          asdict(opts)),
+                    args=(child, cfg.to_dict(), r, opts.workers, worker_eps[r], resp, asdict(opts)),
                     daemon=True,
                 )
                 p.start()
@@ -508,7 +506,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             for conn in conns:
                 if not conn.poll(600):
                     raise RuntimeError("a worker did not get ready within 600 s")
-                tag, info = conn.recv()
+                _tag, info = conn.recv()
                 results.setdefault("workers_ready", []).append(info)
                 progress.step()
             results["raw_rtt_us"] = measure_raw_rtt(opts, ctx) * 1e6
@@ -532,8 +530,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 finals.append(conn.recv())
             results["workers"] = finals
             results["leak_free"] = all(
-                f["idle"] and f["pinned_chunks"] == 0 and f["held_lookups"] == 0
-                and f["limiter_used"] == 0 and f["arena_used_bytes"] == f["cpu_resident_bytes"]
+                f["idle"]
+                and f["pinned_chunks"] == 0
+                and f["held_lookups"] == 0
+                and f["limiter_used"] == 0
+                and f["arena_used_bytes"] == f["cpu_resident_bytes"]
                 for f in finals
             )
             tiers: dict[str, dict[str, float]] = {}
@@ -615,9 +616,7 @@ def plot(r: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(
-            "--plot needs matplotlib: pip install 'lmprefetch[plot]'"
-        ) from exc
+        raise SystemExit("--plot needs matplotlib: pip install 'lmprefetch[plot]'") from exc
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     lat = sorted(r["replay"]["latencies_ms"])
     if lat:

@@ -82,21 +82,24 @@ async def _run(chunks: int, chunk_bytes: int, repeats: int, tmp: str) -> dict[st
             return time.perf_counter() - t0
 
         # CPU hit (prompt 0 stays in the CPU tier)
-        samples = [await timed(_lookup_and_release, engine, f"c{i}", prompts[0], offs)
-                   for i in range(repeats)]
+        samples = [
+            await timed(_lookup_and_release, engine, f"c{i}", prompts[0], offs)
+            for i in range(repeats)
+        ]
         out["cpu_hit_us"] = statistics.median(samples) * 1e6
 
         async def checkpoint_round() -> None:
             await trio.lowlevel.checkpoint()
 
-        out["trio_checkpoint_us"] = statistics.median(
-            [await timed(checkpoint_round) for _ in range(repeats)]
-        ) * 1e6
+        out["trio_checkpoint_us"] = (
+            statistics.median([await timed(checkpoint_round) for _ in range(repeats)]) * 1e6
+        )
 
         # Miss
         miss = engine.hasher.hash(_prompt(99, chunks, chunk_size))
-        samples = [await timed(_lookup_and_release, engine, f"m{i}", miss, offs)
-                   for i in range(repeats)]
+        samples = [
+            await timed(_lookup_and_release, engine, f"m{i}", miss, offs) for i in range(repeats)
+        ]
         out["miss_us"] = statistics.median(samples) * 1e6
 
         # Disk hits: drop prompts 1..8 from the CPU tier; the disk tier has them.
@@ -147,13 +150,28 @@ def format_report(r: dict[str, Any]) -> str:
     ref = LMCACHE_REFERENCE_US
     mb = r["chunks"] * r["chunk_bytes"] / MiB
     rows = [
-        ("CPU hit", r["cpu_hit_us"], "zero-copy; one trio checkpoint", r["trio_checkpoint_us"],
-         ref["cpu_hit"]),
-        ("disk hit (page cache)", r["disk_hit_us"], "raw readinto of the same files",
-         r["raw_read_16_us"], ref["disk_hit"]),
+        (
+            "CPU hit",
+            r["cpu_hit_us"],
+            "zero-copy; one trio checkpoint",
+            r["trio_checkpoint_us"],
+            ref["cpu_hit"],
+        ),
+        (
+            "disk hit (page cache)",
+            r["disk_hit_us"],
+            "raw readinto of the same files",
+            r["raw_read_16_us"],
+            ref["disk_hit"],
+        ),
         ("full miss", r["miss_us"], "one trio checkpoint", r["trio_checkpoint_us"], ref["miss"]),
-        ("8 concurrent disk lookups", r["disk_x8_us"], "raw readinto of the same files",
-         r["raw_read_x8_us"], ref["disk_x8"]),
+        (
+            "8 concurrent disk lookups",
+            r["disk_x8_us"],
+            "raw readinto of the same files",
+            r["raw_read_x8_us"],
+            ref["disk_x8"],
+        ),
     ]
     lines = [
         f"lmprefetch bench-engine — {r['chunks']} chunks × {r['chunk_bytes'] // MiB} MiB "

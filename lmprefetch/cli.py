@@ -41,7 +41,9 @@ def _worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
     )
     try:
-        msg = f"lmprefetch worker rank {args.rank}/{args.world_size} serving {args.request_endpoint}"
+        msg = (
+            f"lmprefetch worker rank {args.rank}/{args.world_size} serving {args.request_endpoint}"
+        )
         if runtime.metrics_port is not None:
             msg += f", metrics on 127.0.0.1:{runtime.metrics_port}"
         print(msg, flush=True)

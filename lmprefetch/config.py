@@ -129,7 +129,9 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 message names the field.
         """
         if not isinstance(data, Mapping):
-            raise ValueError(f"config: expected a mapping of field names, got {type(data).__name__}")
+            raise ValueError(
+                f"config: expected a mapping of field names, got {type(data).__name__}"
+            )
         known = set(cls.__struct_fields__)
         for name in data:
             if name not in known:
@@ -214,13 +216,17 @@ def _field_message(text: str) -> str:
     return text if field in PrefetchConfig.__struct_fields__ else f"config: {text}"
 
 
-def _check_type(name: str, value: object, types: tuple[type, ...], *, allow_none: bool = False) -> None:
+def _check_type(
+    name: str, value: object, types: tuple[type, ...], *, allow_none: bool = False
+) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) and bool not in types:
         raise ValueError(f"{name}: expected {types[0].__name__}, got bool")
     if not isinstance(value, types):
-        raise ValueError(f"{name}: expected {types[0].__name__}, got {type(value).__name__} {value!r}")
+        raise ValueError(
+            f"{name}: expected {types[0].__name__}, got {type(value).__name__} {value!r}"
+        )
 
 
 def _validate(c: PrefetchConfig) -> None:
@@ -253,7 +259,9 @@ def _validate(c: PrefetchConfig) -> None:
     if c.chunk_size < 1:
         raise ValueError(f"chunk_size: must be at least 1 token, got {c.chunk_size}")
     if c.hash_algorithm not in HASH_ALGORITHMS:
-        raise ValueError(f"hash_algorithm: must be one of {HASH_ALGORITHMS}, got {c.hash_algorithm!r}")
+        raise ValueError(
+            f"hash_algorithm: must be one of {HASH_ALGORITHMS}, got {c.hash_algorithm!r}"
+        )
     if not c.model_name or "@" in c.model_name:
         raise ValueError(f"model_name: must be non-empty and contain no '@', got {c.model_name!r}")
     if c.kv_dtype not in KV_DTYPES:
@@ -273,16 +281,28 @@ def _validate(c: PrefetchConfig) -> None:
             f"got {c.cpu_bytes}"
         )
     if c.buffer_backend not in _BUFFER_BACKENDS:
-        raise ValueError(f"buffer_backend: must be one of {_BUFFER_BACKENDS}, got {c.buffer_backend!r}")
+        raise ValueError(
+            f"buffer_backend: must be one of {_BUFFER_BACKENDS}, got {c.buffer_backend!r}"
+        )
     if c.disk_path is not None and not c.disk_path:
         raise ValueError("disk_path: must be a directory path or None, got an empty string")
     if c.disk_bytes < c.chunk_bytes:
-        raise ValueError(f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}")
-    for name in ("disk_read_threads", "disk_write_queue", "redis_write_queue", "redis_threads", "socket_hwm"):
+        raise ValueError(
+            f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}"
+        )
+    for name in (
+        "disk_read_threads",
+        "disk_write_queue",
+        "redis_write_queue",
+        "redis_threads",
+        "socket_hwm",
+    ):
         if getattr(c, name) < 1:
             raise ValueError(f"{name}: must be at least 1, got {getattr(c, name)}")
     if c.redis_url is not None:
         urls = [u.strip() for u in c.redis_url.split(",")]
         for url in urls:
             if not (url.startswith("redis://") or url.startswith("rediss://")):
-                raise ValueError(f"redis_url: each entry must start with redis:// or rediss://, got {url!r}")
+                raise ValueError(
+                    f"redis_url: each entry must start with redis:// or rediss://, got {url!r}"
+                )

@@ -68,16 +68,16 @@ class ChunkHasher:
         if self.algorithm == "blake2b":
             blake2b = hashlib.blake2b
             for i in range(n_chunks):
-                h = blake2b(prev, digest_size=8, person=_PERSON)
-                h.update(mv[i * step : (i + 1) * step])
-                prev = h.digest()
+                b = blake2b(prev, digest_size=8, person=_PERSON)
+                b.update(mv[i * step : (i + 1) * step])
+                prev = b.digest()
                 out.append(int.from_bytes(prev, "big"))
         else:
             sha256 = hashlib.sha256
             for i in range(n_chunks):
-                h = sha256(prev)
-                h.update(mv[i * step : (i + 1) * step])
-                prev = h.digest()[:8]
+                s = sha256(prev)
+                s.update(mv[i * step : (i + 1) * step])
+                prev = s.digest()[:8]
                 out.append(int.from_bytes(prev, "big"))
         return out
 

@@ -83,7 +83,9 @@ class KeyMaker:
     def first_key(self, chunk_hash: int) -> ChunkKey:
         """The first key of one chunk (layer 0 in layerwise mode)."""
         layer = 0 if self.layerwise else -1
-        return ChunkKey(self.model_name, self.world_size, self.rank, chunk_hash, self.kv_dtype, layer)
+        return ChunkKey(
+            self.model_name, self.world_size, self.rank, chunk_hash, self.kv_dtype, layer
+        )
 
     def keys(self, hashes: Sequence[int]) -> list[ChunkKey]:
         """Chunk-major keys: in layerwise mode ``keys_per_chunk`` consecutive keys per chunk."""

@@ -20,7 +20,23 @@ __all__ = ["LATENCY_BUCKETS_S", "WorkerMetrics", "start_metrics_server"]
 
 #: Lookup latency buckets, from 20 µs (a CPU hit) to 5 s (past any sane timeout).
 LATENCY_BUCKETS_S = (
-    2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    2e-5,
+    5e-5,
+    1e-4,
+    2e-4,
+    5e-4,
+    1e-3,
+    2e-3,
+    5e-3,
+    1e-2,
+    2e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 
 _GAUGES = {

@@ -98,8 +98,17 @@ class _Part:
 class _Lookup:
     """The state of one lookup, shared between its task and ``claim``/``cancel``."""
 
-    __slots__ = ("_on_answer", "answer", "deadline", "has_task", "lookup_id", "loaded", "scope",
-                 "seq", "state")
+    __slots__ = (
+        "_on_answer",
+        "answer",
+        "deadline",
+        "has_task",
+        "loaded",
+        "lookup_id",
+        "scope",
+        "seq",
+        "state",
+    )
 
     def __init__(
         self, lookup_id: str, seq: int, deadline: float, on_answer: AnswerCallback
@@ -152,7 +161,9 @@ class Engine:
         self.config = config
         self.rank = rank
         self.world_size = world_size
-        self.hasher = ChunkHasher(config.chunk_size, config.hash_algorithm, config.save_partial_chunks)
+        self.hasher = ChunkHasher(
+            config.chunk_size, config.hash_algorithm, config.save_partial_chunks
+        )
         self.keys = KeyMaker(
             config.model_name,
             world_size,
@@ -286,7 +297,7 @@ class Engine:
         deadline: float,
         on_answer: AnswerCallback,
         started: float,
-    ) -> _Lookup | None | Literal[False]:
+    ) -> _Lookup | Literal[False] | None:
         """Answer at once when no I/O is needed, else return ``False``.
 
         A lookup needs no task when the CPU tier holds the whole prompt, or holds a prefix
@@ -422,7 +433,11 @@ class Engine:
         next_chunk = skip_chunks
         parts: list[_Part] = []
         # Parts own their buffers until the contiguous ones move to ``rec.loaded``.
-        owned.callback(lambda: [part.release_buffers() for part in parts])
+        @owned.callback
+        def release_parts() -> None:
+            for part in parts:
+                part.release_buffers()
+
         tier_timeout = self.config.tier_timeout_s
         with trio.move_on_at(rec.deadline):
             async with trio.open_nursery() as loads:
@@ -434,8 +449,9 @@ class Engine:
                         with trio.move_on_after(tier_timeout) as probe:
                             raw = await tier.contains_prefix(remaining, pin=True)
                     except Exception:
-                        log.warning("tier %s failed a probe; prefix ends there", tier.name,
-                                    exc_info=True)
+                        log.warning(
+                            "tier %s failed a probe; prefix ends there", tier.name, exc_info=True
+                        )
                         tier.stats.errors += 1
                         break
                     if probe.cancelled_caught:
@@ -597,7 +613,12 @@ class Engine:
             done.set()
 
         rec = self.start_lookup(
-            lookup_id, hashes, offsets, on_answer=on_answer, seq=seq, deadline=deadline,
+            lookup_id,
+            hashes,
+            offsets,
+            on_answer=on_answer,
+            seq=seq,
+            deadline=deadline,
             skip_chunks=skip_chunks,
         )
         try:
@@ -708,7 +729,7 @@ class Engine:
     def is_idle(self) -> bool:
         """Nothing in flight or held, and the conservation invariant (DESIGN §7) holds."""
         s = self.stats()
-        return (
+        return bool(
             s["inflight_lookups"] == 0
             and s["held_lookups"] == 0
             and s["pinned_chunks"] == 0

@@ -126,7 +126,10 @@ def decode_worker_message(buf: bytes | bytearray | memoryview) -> WorkerMessage:
         msgspec.DecodeError: the frame is not msgpack, or not a request or cleanup message
             (:class:`msgspec.ValidationError`, a subclass, for the wrong shape or tag).
     """
-    return _worker_decoder.decode(buf)
+    try:
+        return _worker_decoder.decode(buf)
+    except UnicodeDecodeError as exc:
+        raise _bad_utf8(exc) from None
 
 
 def decode_response(buf: bytes | bytearray | memoryview) -> LookupResponseMsg:
@@ -136,7 +139,16 @@ def decode_response(buf: bytes | bytearray | memoryview) -> LookupResponseMsg:
         msgspec.DecodeError: the frame is not msgpack, or not a response message
             (:class:`msgspec.ValidationError`, a subclass, for the wrong shape or tag).
     """
-    return _response_decoder.decode(buf)
+    try:
+        return _response_decoder.decode(buf)
+    except UnicodeDecodeError as exc:
+        raise _bad_utf8(exc) from None
+
+
+def _bad_utf8(exc: UnicodeDecodeError) -> msgspec.DecodeError:
+    # msgspec lets a str that is not valid UTF-8 escape as UnicodeDecodeError (found by
+    # fuzzing); to callers it is just another malformed frame.
+    return msgspec.DecodeError(f"MessagePack data is malformed: invalid UTF-8 in a str ({exc})")
 
 
 def validate_request(msg: LookupRequestMsg) -> str | None:
@@ -155,7 +167,6 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
             return f"offsets[{i}] must be a positive token count, got {offset}"
     if not 0 <= msg.skip_chunks <= n:
         return (
-            f"skip_chunks must be between 0 and the number of chunks ({n}), "
-            f"got {msg.skip_chunks}"
+            f"skip_chunks must be between 0 and the number of chunks ({n}), got {msg.skip_chunks}"
         )
     return None

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
 import msgspec
 import trio
 
@@ -97,9 +98,11 @@ class LookupServer:
         lookup_id, seq, rank = msg.lookup_id, msg.seq, self.engine.rank
 
         def on_answer(hit_tokens: int) -> None:
-            self._queue(protocol.encode(
-                protocol.LookupResponseMsg(lookup_id, hit_tokens, seq=seq, worker_id=rank)
-            ))
+            self._queue(
+                protocol.encode(
+                    protocol.LookupResponseMsg(lookup_id, hit_tokens, seq=seq, worker_id=rank)
+                )
+            )
 
         problem = protocol.validate_request(msg)
         if problem is not None:
@@ -184,4 +187,3 @@ async def serve_lookups(
         for sock in sockets:
             sock.close()
         close_context(ctx)
-

@@ -41,9 +41,10 @@ def test_d14_two_ranks_min_rule_and_claim(config: PrefetchConfig) -> None:
         [(toks[: 5 * CHUNK], chunk_payloads(5, 0))],  # rank 0 has 5 chunks
         [(toks[: 3 * CHUNK], chunk_payloads(3, 1))],  # rank 1 has 3
     ]
-    with start_workers(config, preloads) as (eps, resp, workers), LookupClient(
-        config, eps, resp
-    ) as client:
+    with (
+        start_workers(config, preloads) as (eps, resp, workers),
+        LookupClient(config, eps, resp) as client,
+    ):
         assert client.lookup("a", toks) is None
         assert client.wait("a", 10) == 3 * CHUNK  # the minimum over ranks
         assert client.lookup("a", toks) == 3 * CHUNK  # cached until forgotten
@@ -59,9 +60,10 @@ def test_d03_cancel_releases_on_every_worker_with_no_other_traffic(
 ) -> None:
     toks = prompt(4)
     preloads = [[(toks, chunk_payloads(4, r))] for r in range(2)]
-    with start_workers(config, preloads) as (eps, resp, workers), LookupClient(
-        config, eps, resp
-    ) as client:
+    with (
+        start_workers(config, preloads) as (eps, resp, workers),
+        LookupClient(config, eps, resp) as client,
+    ):
         client.lookup("c", toks)
         assert client.wait("c", 10) == 4 * CHUNK
         assert all(w.ask("stats")["held_lookups"] == 1 for w in workers.values())
@@ -75,9 +77,10 @@ def test_d03_cancel_releases_on_every_worker_with_no_other_traffic(
 def test_d06_reused_id_gets_a_fresh_answer(config: PrefetchConfig) -> None:
     first, second = prompt(4, salt=1), prompt(2, salt=2)
     preloads = [[(first, chunk_payloads(4, 0)), (second, chunk_payloads(2, 0))]]
-    with start_workers(config, preloads) as (eps, resp, workers), LookupClient(
-        config, eps, resp
-    ) as client:
+    with (
+        start_workers(config, preloads) as (eps, resp, workers),
+        LookupClient(config, eps, resp) as client,
+    ):
         client.lookup("r", first)
         assert client.wait("r", 10) == 16
         client.forget("r")  # scheduled, then preempted: the id comes back
@@ -94,9 +97,11 @@ def test_d07_dead_worker_times_out_to_zero_and_keeps_answering_zero(
     toks = prompt(3)
     cfg = config.replace(lookup_timeout_s=0.5)
     preloads = [[(toks, chunk_payloads(3, 0))], [(toks, chunk_payloads(3, 1))]]
-    with start_workers(cfg, preloads, start=[0]) as (eps, resp, workers), LookupClient(
-        cfg, eps, resp
-    ) as client, caplog.at_level(logging.WARNING, logger="lmprefetch.client"):
+    with (
+        start_workers(cfg, preloads, start=[0]) as (eps, resp, workers),
+        LookupClient(cfg, eps, resp) as client,
+        caplog.at_level(logging.WARNING, logger="lmprefetch.client"),
+    ):
         client.lookup("t", toks)
         assert client.wait("t", 10) == 0  # rank 1 never answers
         for _ in range(3):
@@ -109,9 +114,10 @@ def test_worker_killed_mid_lookup(config: PrefetchConfig) -> None:
     toks = prompt(3)
     cfg = config.replace(lookup_timeout_s=1.0)
     preloads = [[(toks, chunk_payloads(3, 0))], [(toks, chunk_payloads(3, 1))]]
-    with start_workers(cfg, preloads) as (eps, resp, workers), LookupClient(
-        cfg, eps, resp
-    ) as client:
+    with (
+        start_workers(cfg, preloads) as (eps, resp, workers),
+        LookupClient(cfg, eps, resp) as client,
+    ):
         workers[1].kill()
         client.lookup("k", toks)
         assert client.wait("k", 10) == 0
@@ -138,11 +144,14 @@ def test_close_under_load_releases_everything(config: PrefetchConfig) -> None:
 
 def test_d18_metrics_count_async_lookups(config: PrefetchConfig) -> None:
     toks = prompt(2)
-    with start_workers(config, [[(toks, chunk_payloads(2, 0))]], metrics=True) as (
-        eps,
-        resp,
-        workers,
-    ), LookupClient(config, eps, resp) as client:
+    with (
+        start_workers(config, [[(toks, chunk_payloads(2, 0))]], metrics=True) as (
+            eps,
+            resp,
+            workers,
+        ),
+        LookupClient(config, eps, resp) as client,
+    ):
         for i in range(5):
             client.lookup(f"h{i}", toks)
             assert client.wait(f"h{i}", 10) == 8

@@ -42,9 +42,7 @@ def assert_conserved(engine: Engine) -> None:
 
 
 @asynccontextmanager
-async def engine_with(
-    config: PrefetchConfig, *extra: FakeTier
-) -> AsyncIterator[Engine]:
+async def engine_with(config: PrefetchConfig, *extra: FakeTier) -> AsyncIterator[Engine]:
     async with open_engine(config, extra_tiers=extra) as engine:
         yield engine
 
@@ -94,7 +92,7 @@ async def test_full_miss_answers_zero_and_holds_nothing(small_config: PrefetchCo
 async def test_partial_last_chunk_tokens_counted(small_config: PrefetchConfig) -> None:
     config = small_config.replace(save_partial_chunks=True)
     async with engine_with(config) as engine:
-        toks = tokens(2) + [7, 8]  # two full chunks and a 2-token tail
+        toks = [*tokens(2), 7, 8]  # two full chunks and a 2-token tail
         assert await engine.store(toks, payloads(3)) == 3
         hashes = engine.hasher.hash(toks)
         assert await engine.lookup_and_prefetch("p", hashes, [4, 4, 2]) == 10
@@ -205,8 +203,9 @@ async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> No
         toks = tokens(2)
         await engine.store(toks, payloads(2))
         past = trio.current_time() - 1
-        got = await engine.lookup_and_prefetch("d", engine.hasher.hash(toks), offsets(2),
-                                               deadline=past)
+        got = await engine.lookup_and_prefetch(
+            "d", engine.hasher.hash(toks), offsets(2), deadline=past
+        )
         assert got == 0
         assert engine.stats()["deadline_expired"] == 1
 

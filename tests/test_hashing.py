@@ -16,7 +16,10 @@ def test_full_chunks_only_by_default() -> None:
     h = ChunkHasher(4)
     assert len(h.hash(list(range(11)))) == 2
     assert h.offsets(11) == [4, 4]
-    assert h.spans(list(range(11))) == [(0, 4, h.hash(range(4))[0]), (4, 8, h.hash(list(range(8)))[1])]
+    assert h.spans(list(range(11))) == [
+        (0, 4, h.hash(range(4))[0]),
+        (4, 8, h.hash(list(range(8)))[1]),
+    ]
 
 
 def test_partial_tail_when_asked() -> None:
@@ -60,10 +63,7 @@ def test_algorithms_differ_and_bad_args() -> None:
 
 
 def test_deterministic_across_processes() -> None:
-    code = (
-        "from lmprefetch import ChunkHasher;"
-        "print(ChunkHasher(16).hash(list(range(64))))"
-    )
+    code = "from lmprefetch import ChunkHasher;print(ChunkHasher(16).hash(list(range(64))))"
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],

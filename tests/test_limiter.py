@@ -57,14 +57,14 @@ async def test_fifo_order_and_no_barging(autojump_clock: trio.testing.MockClock)
             await trio.sleep(1)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(want, "big", 6)
+        nursery.start_soon(want, "big", 9)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(want, "small", 1)  # would fit now (2 free) but must not barge
+        nursery.start_soon(want, "small", 2)  # would fit now (2 free) but must not barge
         await trio.testing.wait_all_tasks_blocked()
         assert order == []
         assert lim.statistics().tasks_waiting == 2
         with pytest.raises(trio.WouldBlock):
-            lim.acquire_nowait(1)  # no barging for nowait either
+            lim.acquire_nowait(2)  # no barging for nowait either
         lim.release(8)
     assert order == ["big", "small"]
     assert lim.used == 0

@@ -72,9 +72,7 @@ def test_release_from_many_threads() -> None:
     for b in bufs:
         for _ in range(9):
             b.retain()
-    threads = [
-        threading.Thread(target=lambda: [b.release() for b in bufs]) for _ in range(10)
-    ]
+    threads = [threading.Thread(target=lambda: [b.release() for b in bufs]) for _ in range(10)]
     for t in threads:
         t.start()
     for t in threads:

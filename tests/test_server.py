@@ -5,9 +5,10 @@ Real sockets (abstract ipc), real clock, an outer ``fail_after`` on every test.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -65,6 +66,15 @@ class Peer:
         self.ctx.term()
 
 
+async def poll_until(predicate: Callable[[], bool]) -> None:
+    """Wait for state that a message on a real socket changes, under the caller's
+    ``fail_after`` deadline (the engine has no event for "a message arrived")."""
+    for _ in itertools.count():
+        if predicate():
+            return
+        await trio.sleep(0.001)
+
+
 @asynccontextmanager
 async def served(
     config: PrefetchConfig, *extra: FakeTier, rank: int = 0, world_size: int = 1
@@ -73,10 +83,10 @@ async def served(
     req, resp = f"ipc://@lmp-test-{tag}-req", f"ipc://@lmp-test-{tag}-resp"
     peer = Peer(req, resp)
     try:
-        async with open_engine(config, rank=rank, world_size=world_size,
-                               extra_tiers=extra) as engine:
-            async with serve_lookups(engine, req, resp) as server:
-                yield engine, server, peer
+        async with open_engine(
+            config, rank=rank, world_size=world_size, extra_tiers=extra
+        ) as engine, serve_lookups(engine, req, resp) as server:
+            yield engine, server, peer
     finally:
         peer.close()
 
@@ -106,8 +116,13 @@ async def test_lmcache_shaped_request_is_served(config: PrefetchConfig) -> None:
             toks = list(range(8))
             await engine.store(toks, [b"x" * 8] * 2)
             raw = msgspec.msgpack.encode(
-                {"type": "LookupRequestMsg", "lookup_id": "lm", "hashes": engine.hasher.hash(toks),
-                 "offsets": [4, 4], "request_configs": None}
+                {
+                    "type": "LookupRequestMsg",
+                    "lookup_id": "lm",
+                    "hashes": engine.hasher.hash(toks),
+                    "offsets": [4, 4],
+                    "request_configs": None,
+                }
             )
             peer.send(raw)
             got = await peer.answer()
@@ -125,8 +140,7 @@ async def test_d03_cleanup_cancels_and_releases_with_no_other_traffic(
             assert (await peer.answer()).num_hit_tokens == 16
             assert engine.stats()["held_lookups"] == 1
             peer.send(encode(LookupCleanupMsg("c", seq=1)))
-            while engine.stats()["held_lookups"]:  # the cleanup is in flight on the socket
-                await trio.sleep(0.001)
+            await poll_until(lambda: engine.stats()["held_lookups"] == 0)  # the cleanup is in flight
             assert engine.is_idle()
 
 
@@ -143,8 +157,7 @@ async def test_d06_newer_seq_cancels_older_and_stale_request_dropped(
             other = list(range(100, 108))
             await engine.store(other, [b"o" * 8] * 2)
             peer.request("r", hashes, seq=1)  # blocks in the disk load
-            while engine.stats()["inflight_lookups"] == 0:
-                await trio.sleep(0.001)
+            await poll_until(lambda: engine.stats()["inflight_lookups"] == 1)
             peer.request("r", engine.hasher.hash(other), seq=2)  # the id is reused
             answers = {}
             for _ in range(2):
@@ -155,8 +168,7 @@ async def test_d06_newer_seq_cancels_older_and_stale_request_dropped(
             assert disk.chunks_read == 0
             peer.request("r", hashes, seq=1)  # stale: older than the held lookup
             peer.send(encode(LookupCleanupMsg("r", seq=2)))
-            while engine.lookup_state("r") is not None:
-                await trio.sleep(0.001)
+            await poll_until(lambda: engine.lookup_state("r") is None)
             assert server.stats()["requests_stale"] == 1
 
 
@@ -212,11 +224,25 @@ async def test_malformed_messages_counted_and_dropped(config: PrefetchConfig) ->
             st.builds(
                 lambda d: msgspec.msgpack.encode(d),
                 st.dictionaries(
-                    st.sampled_from(["type", "lookup_id", "hashes", "offsets", "seq",
-                                     "deadline_ms", "skip_chunks", "request_configs"]),
-                    st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8),
-                              st.lists(st.integers(-5, 2**64 - 1), max_size=4), st.none(),
-                              st.sampled_from(["LookupRequestMsg", "LookupCleanupMsg"])),
+                    st.sampled_from(
+                        [
+                            "type",
+                            "lookup_id",
+                            "hashes",
+                            "offsets",
+                            "seq",
+                            "deadline_ms",
+                            "skip_chunks",
+                            "request_configs",
+                        ]
+                    ),
+                    st.one_of(
+                        st.integers(-(2**63), 2**64 - 1),
+                        st.text(max_size=8),
+                        st.lists(st.integers(-5, 2**64 - 1), max_size=4),
+                        st.none(),
+                        st.sampled_from(["LookupRequestMsg", "LookupCleanupMsg"]),
+                    ),
                 ),
             ),
         ),
@@ -229,7 +255,7 @@ def test_fuzzed_messages_never_stop_the_worker(garbage: list[bytes]) -> None:
 
     async def main() -> None:
         with trio.fail_after(20):
-            async with served(config) as (engine, server, peer):
+            async with served(config) as (engine, _server, peer):
                 for data in garbage * 5:  # thousands of messages
                     peer.send(data)
                 peer.request("alive", [42], seq=10**6)

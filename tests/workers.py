@@ -109,8 +109,16 @@ def start_workers(
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(child, config.to_dict(), rank, world, endpoints[rank], response,
-                      list(preloads[rank]), metrics),
+                args=(
+                    child,
+                    config.to_dict(),
+                    rank,
+                    world,
+                    endpoints[rank],
+                    response,
+                    list(preloads[rank]),
+                    metrics,
+                ),
                 daemon=True,
             )
             p.start()

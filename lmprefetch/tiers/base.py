@@ -35,8 +35,18 @@ __all__ = ["BaseTier", "Tier", "TierStats", "ZeroCopyTier"]
 class TierStats:
     """Counters every tier keeps (read by ``Engine.stats()`` and the metrics exporter)."""
 
-    __slots__ = ("bytes_loaded", "bytes_stored", "chunks_loaded", "chunks_stored", "errors",
-                 "evictions", "hits", "load_seconds", "probes", "writes_dropped")
+    __slots__ = (
+        "bytes_loaded",
+        "bytes_stored",
+        "chunks_loaded",
+        "chunks_stored",
+        "errors",
+        "evictions",
+        "hits",
+        "load_seconds",
+        "probes",
+        "writes_dropped",
+    )
 
     def __init__(self) -> None:
         self.probes = 0

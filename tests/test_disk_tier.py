@@ -1,0 +1,760 @@
+"""The disk tier: real files under ``tmp_path``, the real clock, an outer ``fail_after``.
+
+Each test names the defect it guards against where there is one (``test_d17_…``, see
+DEFECTS.md).  Buffers come from a real :class:`Arena`; every test checks that the arena gets
+all its slots back, so a buffer reference the tier forgot to release fails the test.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from lmprefetch.keys import ChunkKey
+from lmprefetch.memory import Arena, Buffer
+from lmprefetch.tiers import disk
+from lmprefetch.tiers.disk import HEADER_BYTES, MAGIC, DiskTier, open_disk_tier
+
+SLOT_BYTES = 16 * 1024  # a multiple of the page size: O_DIRECT can read into these slots
+NUM_SLOTS = 32
+TIMEOUT_S = 20
+
+
+def key(h: int) -> ChunkKey:
+    return ChunkKey("m", 1, 0, h, "bfloat16")
+
+
+def payload(h: int, size: int = SLOT_BYTES) -> bytes:
+    return random.Random(h).randbytes(size)
+
+
+def file_of(path: Path, k: ChunkKey) -> trio.Path:
+    return trio.Path(path / (k.to_string() + ".kv"))
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(SLOT_BYTES, NUM_SLOTS)
+    yield a
+    assert a.free_slots == a.num_slots, "a buffer reference was never released"
+    a.close()
+
+
+@asynccontextmanager
+async def opened(path: Path, **overrides: Any) -> AsyncIterator[DiskTier]:
+    kwargs: dict[str, Any] = {
+        "capacity_bytes": 1 << 24,
+        "read_threads": 4,
+        "write_queue": 64,
+        "o_direct": False,
+    }
+    kwargs.update(overrides)
+    async with open_disk_tier(str(path), **kwargs) as tier:
+        yield tier
+
+
+def filled(arena: Arena, data: bytes) -> Buffer:
+    buf = arena.allocate()
+    assert buf is not None
+    buf.write(data)
+    return buf
+
+
+def enqueue(tier: DiskTier, arena: Arena, h: int, data: bytes | None = None) -> bool:
+    """Queue ``data`` (default ``payload(h)``) under ``key(h)``, as the engine's store does:
+    the caller's own reference is released at once, the tier keeps its own."""
+    buf = filled(arena, payload(h) if data is None else data)
+    try:
+        return tier.enqueue_write(key(h), buf)
+    finally:
+        buf.release()
+
+
+async def store(tier: DiskTier, arena: Arena, hs: Sequence[int], size: int = SLOT_BYTES) -> None:
+    for h in hs:
+        assert enqueue(tier, arena, h, payload(h, size))
+    await tier.flush()
+
+
+async def load(tier: DiskTier, arena: Arena, keys: Sequence[ChunkKey]) -> list[bytes]:
+    """Load ``keys``; the payloads of the contiguous prefix the tier reports."""
+    bufs = arena.allocate_many(len(keys))
+    try:
+        assert len(bufs) == len(keys)
+        n = await tier.load(keys, bufs)
+        return [bytes(b.view()) for b in bufs[:n]]
+    finally:
+        for b in bufs:
+            b.release()
+
+
+# -- round trip, restart ---------------------------------------------------------------------
+async def test_round_trip_exact_bytes(tmp_path: Path, arena: Arena) -> None:
+    sizes = [SLOT_BYTES, 5000, 1, 0, 4096]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            for h, size in enumerate(sizes):
+                buf = filled(arena, payload(h, size))
+                try:
+                    assert await tier.store(key(h), buf) is True
+                finally:
+                    buf.release()
+            await tier.flush()
+            assert len(tier) == len(sizes)
+            assert tier.used_bytes == sum(HEADER_BYTES + s for s in sizes)
+            assert tier.keys() == [key(h) for h in range(len(sizes))]
+            got = await load(tier, arena, [key(h) for h in range(len(sizes))])
+            assert got == [payload(h, s) for h, s in enumerate(sizes)]
+            assert tier.stats.chunks_loaded == len(sizes)
+            assert tier.stats.bytes_loaded == sum(sizes)
+            assert tier.stats.chunks_stored == len(sizes)
+            raw = await file_of(tmp_path, key(1)).read_bytes()
+            assert raw[:8] == MAGIC
+            assert len(raw) == HEADER_BYTES + 5000
+            assert raw[HEADER_BYTES:] == payload(1, 5000)
+            assert key(1).to_string().encode() in raw[:HEADER_BYTES]
+
+
+async def test_survives_restart(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(3))
+        async with opened(tmp_path) as tier:
+            assert len(tier) == 3
+            assert tier.contains_now(key(1))
+            assert tier.used_bytes == 3 * (HEADER_BYTES + SLOT_BYTES)
+            assert await tier.contains_prefix([key(0), key(1), key(2), key(3)], pin=False) == 3
+            got = await load(tier, arena, [key(0), key(1), key(2)])
+            assert got == [payload(h) for h in range(3)]
+
+
+async def test_reopen_with_smaller_capacity_evicts_to_fit(tmp_path: Path, arena: Arena) -> None:
+    file_bytes = HEADER_BYTES + SLOT_BYTES
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(4))
+        async with opened(tmp_path, capacity_bytes=2 * file_bytes) as tier:
+            assert len(tier) == 2
+            assert tier.used_bytes == 2 * file_bytes
+            assert tier.stats.evictions == 2
+        assert len(os.listdir(tmp_path)) == 2
+
+
+# -- probe and pins --------------------------------------------------------------------------
+async def test_contains_prefix_counts_a_prefix_and_pins(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, [0, 1, 3])
+            keys = [key(0), key(1), key(2), key(3)]
+            with trio.testing.assert_checkpoints():
+                assert await tier.contains_prefix(keys, pin=True) == 2
+            assert tier.pinned_count() == 2
+            assert tier.is_pinned(key(0))
+            assert tier.is_pinned(key(1))
+            assert not tier.is_pinned(key(3))
+            assert await tier.contains_prefix(keys[2:], pin=True) == 0
+            assert await tier.contains_prefix(keys, pin=False) == 2
+            assert tier.pinned_count() == 2
+            assert tier.stats.probes == 3
+            assert tier.stats.hits == 2
+            tier.unpin(keys[:2])
+            assert tier.pinned_count() == 0
+            with pytest.raises(RuntimeError, match="unpin of unpinned"):
+                tier.unpin([key(0)])
+
+
+async def test_cancelled_probe_leaves_no_pin(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, [0, 1])
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await tier.contains_prefix([key(0), key(1)], pin=True)
+            assert scope.cancelled_caught
+            assert tier.pinned_count() == 0
+
+
+# -- misses, holes and corruption (D13, D17) -------------------------------------------------
+async def test_d17_file_deleted_between_probe_and_load_truncates(
+    tmp_path: Path, arena: Arena
+) -> None:
+    keys = [key(h) for h in range(5)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(5))
+            assert await tier.contains_prefix(keys, pin=True) == 5
+            await file_of(tmp_path, key(2)).unlink()
+            got = await load(tier, arena, keys)
+            assert got == [payload(0), payload(1)]  # a hole ends the prefix (D13)
+            assert not tier.contains_now(key(2))
+            assert tier.contains_now(key(3))
+            assert tier.contains_now(key(4))
+            assert tier.used_bytes == 4 * (HEADER_BYTES + SLOT_BYTES)
+            assert tier.stats.chunks_loaded == 2
+            tier.unpin(keys)
+            assert tier.pinned_count() == 0
+
+
+async def test_d17_corrupt_payload_byte_is_a_miss_and_the_file_goes(
+    tmp_path: Path, arena: Arena
+) -> None:
+    keys = [key(h) for h in range(4)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(4))
+            path = file_of(tmp_path, key(1))
+            raw = bytearray(await path.read_bytes())
+            raw[HEADER_BYTES + 1234] ^= 0x40
+            await path.write_bytes(bytes(raw))
+            got = await load(tier, arena, keys)
+            assert got == [payload(0)]
+            assert not tier.contains_now(key(1))
+            assert not await path.exists()
+            assert tier.stats.errors == 1
+            assert tier.corrupt_files_removed == 1
+            # The key can be stored again, and then it loads.
+            await store(tier, arena, [1])
+            assert await load(tier, arena, keys) == [payload(h) for h in range(4)]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["magic", "version", "length_field", "truncated_payload", "shorter_than_header"],
+)
+async def test_d17_corrupt_header_or_short_file_is_a_miss(
+    tmp_path: Path, arena: Arena, damage: str
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, [0, 1])
+            path = file_of(tmp_path, key(0))
+            raw = bytearray(await path.read_bytes())
+            if damage == "magic":
+                raw[0:8] = b"NOTMAGIC"
+            elif damage == "version":
+                raw[8] = 99
+            elif damage == "length_field":
+                raw[16] ^= 0x01
+            elif damage == "truncated_payload":
+                raw = raw[: HEADER_BYTES + 100]
+            else:
+                raw = raw[:100]
+            await path.write_bytes(bytes(raw))
+            assert await load(tier, arena, [key(0), key(1)]) == []
+            assert not tier.contains_now(key(0))
+            assert not await path.exists()
+            assert await load(tier, arena, [key(1)]) == [payload(1)]
+
+
+async def test_d17_file_holding_another_key_is_a_miss(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, [0])
+        # A file copied by hand under another key's name (same size, valid checksum).
+        await file_of(tmp_path, key(7)).write_bytes(await file_of(tmp_path, key(0)).read_bytes())
+        async with opened(tmp_path) as tier:
+            assert tier.contains_now(key(7))
+            assert await load(tier, arena, [key(7)]) == []
+            assert not tier.contains_now(key(7))
+            assert not await file_of(tmp_path, key(7)).exists()
+            assert await load(tier, arena, [key(0)]) == [payload(0)]
+
+
+async def test_payload_larger_than_the_buffer_is_a_miss_but_kept(tmp_path: Path) -> None:
+    big, small = Arena(SLOT_BYTES, 2), Arena(4096, 2)
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, big, [0], size=10_000)
+            assert await load(tier, small, [key(0)]) == []
+            assert tier.contains_now(key(0))
+            assert await file_of(tmp_path, key(0)).exists()
+            assert tier.stats.errors == 1
+            assert await load(tier, big, [key(0)]) == [payload(0, 10_000)]
+    for a in (big, small):
+        assert a.free_slots == a.num_slots
+        a.close()
+
+
+async def test_foreign_files_ignored_and_stale_temp_files_removed(tmp_path: Path) -> None:
+    root = trio.Path(tmp_path)
+    await (root / "notes.txt").write_text("not a chunk")
+    await (root / "garbage.kv").write_bytes(b"x" * 5000)
+    await (root / "m@1@0@ab@bfloat16.kv").write_bytes(b"x")  # not the canonical spelling
+    await (root / (key(5).to_string() + ".kv")).mkdir()
+    await (root / (key(6).to_string() + ".kv.tmp")).write_bytes(b"half a write")
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            assert len(tier) == 0
+            assert tier.used_bytes == 0
+            assert tier.foreign_files == 4
+            assert tier.stale_temp_files_removed == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["notes.txt", "garbage.kv", "m@1@0@ab@bfloat16.kv", key(5).to_string() + ".kv"]
+    )
+
+
+# -- capacity and eviction (D02) -------------------------------------------------------------
+async def test_d02_eviction_is_lru_unpinned_and_works_again_after_unpin(
+    tmp_path: Path, arena: Arena
+) -> None:
+    size = 4096
+    file_bytes = HEADER_BYTES + size
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, capacity_bytes=4 * file_bytes) as tier:
+            await store(tier, arena, [0, 1, 2, 3], size)  # LRU order: 0 1 2 3
+            assert await tier.contains_prefix([key(0)], pin=True) == 1
+            assert len(await load(tier, arena, [key(1)])) == 1  # LRU order: 0 2 3 1
+            await store(tier, arena, [4], size)
+            assert set(tier.keys()) == {key(0), key(1), key(3), key(4)}  # 2 went, 0 is pinned
+            assert not await file_of(tmp_path, key(2)).exists()
+            await store(tier, arena, [5], size)
+            assert set(tier.keys()) == {key(0), key(1), key(4), key(5)}
+            assert tier.used_bytes == 4 * file_bytes
+            assert tier.stats.evictions == 2
+
+            # Everything pinned: a write that needs room is dropped, nothing is evicted.
+            everything = tier.keys()
+            assert await tier.contains_prefix(everything, pin=True) == 4
+            await store(tier, arena, [6], size)
+            assert not tier.contains_now(key(6))
+            assert set(tier.keys()) == set(everything)
+            assert tier.stats.writes_dropped == 1
+
+            # Pins back to 0 (D02), and eviction works again.
+            tier.unpin([key(0)])
+            tier.unpin(everything)
+            assert tier.pinned_count() == 0
+            await store(tier, arena, [6], size)
+            assert tier.contains_now(key(6))
+            assert not tier.contains_now(key(0))  # the least recently used
+            assert tier.used_bytes <= 4 * file_bytes
+            assert len(os.listdir(tmp_path)) == 4
+
+
+async def test_a_payload_larger_than_the_capacity_is_dropped(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, capacity_bytes=HEADER_BYTES + 100) as tier:
+            await store(tier, arena, [0], size=100)
+            await store(tier, arena, [1], size=101)
+            assert tier.keys() == [key(0)]
+            assert tier.stats.writes_dropped == 1
+
+
+# -- write-behind ----------------------------------------------------------------------------
+async def test_full_write_queue_drops_and_counts_without_blocking(
+    tmp_path: Path, arena: Arena
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, write_queue=3) as tier:
+            with trio.testing.assert_no_checkpoints():  # synchronous: it cannot block
+                accepted = [enqueue(tier, arena, h) for h in range(5)]
+                assert enqueue(tier, arena, 0) is True  # already queued: no second slot
+            assert accepted == [True, True, True, False, False]
+            assert tier.stats.writes_dropped == 2
+            assert tier.pending_writes == 3
+            assert arena.used_slots == 3  # the tier's references on the queued buffers
+            await tier.flush()
+            assert tier.keys() == [key(0), key(1), key(2)]
+            assert arena.used_slots == 0
+            assert tier.pending_writes == 0
+            assert enqueue(tier, arena, 0) is True  # already on disk
+
+
+async def test_close_flushes_everything_queued(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            for h in range(20):
+                assert enqueue(tier, arena, h)
+        assert arena.used_slots == 0
+        assert not enqueue(tier, arena, 99)  # closed: dropped
+        assert tier.stats.writes_dropped == 1
+        async with opened(tmp_path) as tier:
+            assert len(tier) == 20
+            assert await load(tier, arena, [key(h) for h in range(20)]) == [
+                payload(h) for h in range(20)
+            ]
+
+
+async def test_close_that_cannot_flush_in_time_releases_queued_buffers(
+    tmp_path: Path, arena: Arena
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, close_timeout_s=0) as tier:
+            for h in range(8):
+                assert enqueue(tier, arena, h)
+            assert arena.used_slots == 8
+        assert arena.used_slots == 0
+        assert tier.stats.writes_dropped + tier.stats.chunks_stored == 8
+
+
+async def test_cancelled_body_still_flushes_on_close(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        with trio.CancelScope() as scope:
+            async with opened(tmp_path) as tier:
+                for h in range(4):
+                    assert enqueue(tier, arena, h)
+                scope.cancel()
+                await trio.sleep_forever()
+        assert arena.used_slots == 0
+        async with opened(tmp_path) as tier:
+            assert len(tier) == 4
+
+
+async def test_flush_waits_for_writes_queued_before_it(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            with trio.testing.assert_checkpoints():
+                await tier.flush()  # nothing queued: returns, but is a checkpoint
+            for h in range(6):
+                enqueue(tier, arena, h)
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(tier.flush)
+            assert len(tier) == 6
+            assert tier.pending_writes == 0
+
+
+async def test_write_error_is_counted_and_releases_the_buffer(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing_write(final: str, temp: str, key_bytes: bytes, payload: memoryview) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            monkeypatch.setattr(disk, "_write_file", failing_write)
+            enqueue(tier, arena, 0)
+            await tier.flush()
+            assert tier.stats.errors == 1
+            assert len(tier) == 0
+            assert arena.used_slots == 0
+            monkeypatch.undo()
+            await store(tier, arena, [0])
+            assert tier.contains_now(key(0))
+    assert os.listdir(tmp_path) == [key(0).to_string() + ".kv"]  # no temp file left
+
+
+async def test_remove_deletes_files_and_queued_writes(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, [0])
+            assert await tier.remove(key(0)) is True
+            assert not tier.contains_now(key(0))
+            assert tier.used_bytes == 0
+            assert not await file_of(tmp_path, key(0)).exists()
+            assert await tier.remove(key(0)) is False
+            enqueue(tier, arena, 1)  # queued, not yet written
+            assert await tier.remove(key(1)) is True
+            assert arena.used_slots == 0  # its reference went with it
+            await tier.flush()
+            assert len(tier) == 0
+    assert os.listdir(tmp_path) == []
+
+
+async def test_load_makes_chunks_most_recently_used(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, [0, 1, 2])
+            await load(tier, arena, [key(0)])
+            assert tier.keys() == [key(1), key(2), key(0)]
+
+
+# -- concurrency and cancellation (D04, D12) -------------------------------------------------
+async def test_concurrent_reads_return_the_contiguous_prefix(tmp_path: Path, arena: Arena) -> None:
+    keys = [key(h) for h in range(24)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, read_threads=4) as tier:
+            await store(tier, arena, range(24), size=6000)
+            got = await load(tier, arena, keys)
+            assert got == [payload(h, 6000) for h in range(24)]
+            await file_of(tmp_path, key(13)).unlink()
+
+            async def one_load() -> None:
+                got = await load(tier, arena, keys[:16])  # two loads fill the arena
+                assert got == [payload(h, 6000) for h in range(13)]
+
+            async with trio.open_nursery() as nursery:  # concurrent loads share the threads
+                nursery.start_soon(one_load)
+                nursery.start_soon(one_load)
+
+
+@pytest.mark.parametrize("read_threads", [1, 3])
+async def test_d04_cancelled_load_starts_no_more_reads_and_counts_nothing(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch, read_threads: int
+) -> None:
+    keys = [key(h) for h in range(12)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, read_threads=read_threads) as tier:
+            await store(tier, arena, range(12))
+            real_read = tier._read_chunk
+            started: list[str] = []
+            finished: list[str] = []
+            lock = threading.Lock()
+            cancel_delivered = threading.Event()
+
+            def cancel_load() -> None:  # runs on the Trio thread
+                scope.cancel()
+                cancel_delivered.set()
+
+            def read_then_cancel(path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
+                with lock:
+                    first = not started
+                    started.append(path)
+                if not first:  # the other reads in flight finish only after the cancel
+                    cancel_delivered.wait(TIMEOUT_S)
+                result = real_read(path, key_bytes, slot)
+                finished.append(path)
+                if first:  # the first chunk is in: cancel the load
+                    trio.from_thread.run_sync(cancel_load)
+                return result
+
+            monkeypatch.setattr(tier, "_read_chunk", read_then_cancel)
+            bufs = arena.allocate_many(len(keys))
+            raised: BaseException | None = None
+            try:
+                with trio.CancelScope() as scope:
+                    try:
+                        await tier.load(keys, bufs)
+                    except BaseException as exc:
+                        raised = exc
+                        raise
+            finally:
+                for b in bufs:
+                    b.release()
+            assert scope.cancelled_caught
+            assert isinstance(raised, trio.Cancelled)  # a plain Cancelled, not a group
+            # Only the reads already running when the cancel came ran (one per read thread, at
+            # most); none started after it; load waited for every one it started.
+            assert 1 <= len(started) <= read_threads
+            assert set(started) <= {str(file_of(tmp_path, k)) for k in keys[:read_threads]}
+            assert sorted(finished) == sorted(started)
+            assert tier.stats.chunks_loaded == 0
+            assert tier.stats.bytes_loaded == 0
+            assert len(tier) == 12  # a cancel is not a miss: nothing left the index
+            monkeypatch.undo()
+            assert len(await load(tier, arena, keys)) == 12
+
+
+async def test_a_bug_in_a_read_propagates_and_stops_the_load(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [key(h) for h in range(10)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, read_threads=1) as tier:
+            await store(tier, arena, range(10), size=100)
+            reads: list[str] = []
+
+            def broken_read(path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
+                reads.append(path)
+                raise ValueError("a bug")
+
+            monkeypatch.setattr(tier, "_read_chunk", broken_read)
+            bufs = arena.allocate_many(len(keys))
+            try:
+                with pytest.RaisesGroup(ValueError, flatten_subgroups=True):
+                    await tier.load(keys, bufs)
+            finally:
+                for b in bufs:
+                    b.release()
+            assert len(reads) == 1  # the load stopped at the bug
+            assert tier.stats.chunks_loaded == 0
+            assert len(tier) == 10
+
+
+async def test_d12_buffer_length_set_only_for_verified_chunks(
+    tmp_path: Path, arena: Arena
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, read_threads=1) as tier:
+            await store(tier, arena, [0, 1], size=3000)
+            path = file_of(tmp_path, key(1))
+            raw = bytearray(await path.read_bytes())
+            raw[-1] ^= 0xFF
+            await path.write_bytes(bytes(raw))
+            bufs = arena.allocate_many(2)
+            try:
+                assert await tier.load([key(0), key(1)], bufs) == 1
+                assert bufs[0].length == 3000
+                assert bufs[1].length == 0
+            finally:
+                for b in bufs:
+                    b.release()
+
+
+async def test_load_with_fewer_buffers_than_keys(tmp_path: Path, arena: Arena) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(3))
+            bufs = arena.allocate_many(2)
+            try:
+                assert await tier.load([key(0), key(1), key(2)], bufs) == 2
+                assert await tier.load([], []) == 0
+            finally:
+                for b in bufs:
+                    b.release()
+
+
+# -- O_DIRECT --------------------------------------------------------------------------------
+async def test_o_direct_reads_correct_data_or_falls_back(tmp_path: Path, arena: Arena) -> None:
+    sizes = [SLOT_BYTES, 5000, 4096, 1]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, o_direct=True) as tier:
+            for h, size in enumerate(sizes):
+                enqueue(tier, arena, h, payload(h, size))
+            await tier.flush()
+            got = await load(tier, arena, [key(h) for h in range(len(sizes))])
+            assert got == [payload(h, s) for h, s in enumerate(sizes)]
+            if tier.o_direct_active:  # the file system takes O_DIRECT (ext4, xfs)
+                assert tier.o_direct_reads == len(sizes)
+            else:  # it refused (tmpfs): every read went buffered
+                assert tier.o_direct_reads == 0
+
+
+async def test_o_direct_refused_falls_back_to_buffered_reads(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, o_direct=True) as tier:
+            await store(tier, arena, range(3), size=7000)
+            monkeypatch.setattr(disk, "os", _OsProxy({"open": refusing_open}))
+            got = await load(tier, arena, [key(h) for h in range(3)])
+            assert got == [payload(h, 7000) for h in range(3)]
+            assert tier.o_direct_reads == 0
+            assert not tier.o_direct_active
+
+
+def _o_direct_opens(directory: Path) -> bool:
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    probe = directory / "probe"
+    probe.write_bytes(b"x")
+    try:
+        fd = os.open(probe, os.O_RDONLY | flag)
+    except OSError:
+        return False
+    else:
+        os.close(fd)
+        return True
+    finally:
+        probe.unlink()
+
+
+async def test_o_direct_read_refused_falls_back_to_buffered_reads(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file system opens with O_DIRECT but refuses the read (alignment it does not take).
+    if not await trio.to_thread.run_sync(_o_direct_opens, tmp_path):
+        pytest.skip("this file system refuses O_DIRECT opens (covered by the test above)")
+    direct_fds: set[int] = set()
+
+    def open_tracking(path: str, flags: int, *args: int) -> int:
+        fd = os.open(path, flags, *args)
+        if flags & getattr(os, "O_DIRECT", 0):
+            direct_fds.add(fd)
+        return fd
+
+    def close_tracking(fd: int) -> None:
+        direct_fds.discard(fd)
+        os.close(fd)
+
+    refused: list[int] = []
+
+    def preadv_refusing(fd: int, views: Sequence[Any], offset: int) -> int:
+        if fd in direct_fds:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.preadv(fd, views, offset)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, o_direct=True) as tier:
+            await store(tier, arena, range(3), size=7000)
+            monkeypatch.setattr(disk, "os", _OsProxy(
+                {"open": open_tracking, "close": close_tracking, "preadv": preadv_refusing}
+            ))
+            got = await load(tier, arena, [key(h) for h in range(3)])
+            assert got == [payload(h, 7000) for h in range(3)]
+            assert tier.o_direct_reads == 0
+            assert not tier.o_direct_active
+            assert tier.stats.errors == 0
+            assert len(refused) >= 1
+
+
+async def test_o_direct_needs_page_aligned_slots(tmp_path: Path) -> None:
+    odd = Arena(SLOT_BYTES + 512, 4)  # slots not page-aligned: buffered reads
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, o_direct=True) as tier:
+            await store(tier, odd, range(2), size=SLOT_BYTES)
+            assert await load(tier, odd, [key(0), key(1)]) == [payload(0), payload(1)]
+            assert tier.o_direct_reads == 0
+    assert odd.free_slots == odd.num_slots
+    odd.close()
+
+
+# -- the Trio thread never does file I/O -----------------------------------------------------
+_FILE_CALLS = frozenset(
+    {"open", "close", "preadv", "pread", "read", "write", "writev", "fstat", "stat", "scandir",
+     "listdir", "makedirs", "mkdir", "unlink", "remove", "replace", "rename"}
+)
+
+
+class _OsProxy:
+    """Stands in for the ``os`` module inside ``lmprefetch.tiers.disk``: records which thread
+    makes each file call, and can replace some calls."""
+
+    def __init__(self, replace: dict[str, Callable[..., Any]] | None = None) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self._replace = replace or {}
+
+    def __getattr__(self, name: str) -> Any:
+        real = self._replace.get(name, getattr(os, name))
+        if name not in _FILE_CALLS:
+            return real
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.get_ident()))
+            return real(*args, **kwargs)
+
+        return spy
+
+
+async def test_file_operations_never_run_on_the_trio_thread(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = _OsProxy()
+    monkeypatch.setattr(disk, "os", spy)
+    trio_thread = threading.get_ident()
+    file_bytes = HEADER_BYTES + 4096
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path / "tier", capacity_bytes=3 * file_bytes, o_direct=True) as tier:
+            await store(tier, arena, range(4), size=4096)  # evicts one
+            keys = tier.keys()
+            assert len(await load(tier, arena, keys)) == 3
+            path = file_of(tmp_path / "tier", keys[1])
+            await path.write_bytes(b"corrupt")
+            assert len(await load(tier, arena, keys)) == 1  # a corrupt file is unlinked
+            await tier.remove(keys[0])
+        async with opened(tmp_path / "tier") as tier:
+            assert len(tier) == 1
+    used = {name for name, _ in spy.calls}
+    assert {"makedirs", "scandir", "open", "preadv", "fstat", "writev", "replace",
+            "unlink", "close"} <= used
+    on_trio_thread = [name for name, thread in spy.calls if thread == trio_thread]
+    assert on_trio_thread == []
