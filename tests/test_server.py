@@ -140,7 +140,8 @@ async def test_d03_cleanup_cancels_and_releases_with_no_other_traffic(
             assert (await peer.answer()).num_hit_tokens == 16
             assert engine.stats()["held_lookups"] == 1
             peer.send(encode(LookupCleanupMsg("c", seq=1)))
-            await poll_until(lambda: engine.stats()["held_lookups"] == 0)  # the cleanup is in flight
+            # The cleanup travels on the socket; no other message follows it.
+            await poll_until(lambda: engine.stats()["held_lookups"] == 0)
             assert engine.is_idle()
 
 
