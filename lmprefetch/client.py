@@ -100,8 +100,16 @@ class _Entry:
     read is atomic); everything else is only touched under the lock.
     """
 
-    __slots__ = ("answered_at", "answers", "deadline", "expected", "result", "seq",
-                 "submitted_at", "timed_out")
+    __slots__ = (
+        "answered_at",
+        "answers",
+        "deadline",
+        "expected",
+        "result",
+        "seq",
+        "submitted_at",
+        "timed_out",
+    )
 
     def __init__(self, seq: int, deadline: float, expected: int) -> None:
         self.seq = seq

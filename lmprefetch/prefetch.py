@@ -432,6 +432,7 @@ class Engine:
         n_chunks = len(keys) // kpc
         next_chunk = skip_chunks
         parts: list[_Part] = []
+
         # Parts own their buffers until the contiguous ones move to ``rec.loaded``.
         @owned.callback
         def release_parts() -> None:
@@ -510,10 +511,14 @@ class Engine:
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
                 if usable:
                     t0 = trio.current_time()
-                    with trio.move_on_after(self.config.tier_timeout_s) as load_scope:
-                        got = await tier.load(part.keys[:usable], part.buffers)
-                        part.loaded = max(0, min(got, usable)) // kpc
-                    tier.stats.load_seconds += trio.current_time() - t0
+                    tier.stats.load_started(t0)
+                    try:
+                        with trio.move_on_after(self.config.tier_timeout_s) as load_scope:
+                            got = await tier.load(part.keys[:usable], part.buffers)
+                            part.loaded = max(0, min(got, usable)) // kpc
+                    finally:
+                        now = trio.current_time()
+                        tier.stats.load_ended(now, now - t0)
                     part.release_buffers(part.loaded * kpc)
             if usable and load_scope.cancelled_caught:
                 log.warning("tier %s load timed out; prefix ends there", tier.name)

@@ -36,6 +36,9 @@ class TierStats:
     """Counters every tier keeps (read by ``Engine.stats()`` and the metrics exporter)."""
 
     __slots__ = (
+        "_busy_since",
+        "_loads_active",
+        "busy_seconds",
         "bytes_loaded",
         "bytes_stored",
         "chunks_loaded",
@@ -58,11 +61,26 @@ class TierStats:
         self.writes_dropped = 0
         self.evictions = 0
         self.errors = 0
-        #: Wall time spent in this tier's loads (overlapping loads add up).
+        #: Time spent in this tier's loads, summed over loads (overlapping loads add up).
         self.load_seconds = 0.0
+        #: Wall time during which at least one load of this tier was in flight.
+        self.busy_seconds = 0.0
+        self._loads_active = 0
+        self._busy_since = 0.0
+
+    def load_started(self, now: float) -> None:
+        if self._loads_active == 0:
+            self._busy_since = now
+        self._loads_active += 1
+
+    def load_ended(self, now: float, elapsed: float) -> None:
+        self._loads_active -= 1
+        self.load_seconds += elapsed
+        if self._loads_active == 0:
+            self.busy_seconds += now - self._busy_since
 
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self.__slots__ if name[0] != "_"}
 
 
 @runtime_checkable
