@@ -325,13 +325,24 @@ class DiskTier(BaseTier):
                  slots.enter_context(buf.slot()))
                 for key, buf in zip(keys[:indexed], buffers, strict=False)
             ])
+            readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
             try:
-                async with trio.open_nursery() as watch:
-                    watch.start_soon(_set_when_cancelled, run.stop)
-                    async with trio.open_nursery() as readers:
-                        for _ in range(min(indexed, self.read_threads)):
-                            readers.start_soon(self._reader, run)
-                    watch.cancel_scope.cancel()
+                if readers == 1:
+                    # The common case: one thread call reads every chunk, and checks before
+                    # each one whether the load was cancelled.  No tasks, no nurseries.
+                    await trio.to_thread.run_sync(
+                        self._read_all,
+                        run,
+                        limiter=self._read_limiter,
+                        abandon_on_cancel=False,  # the thread writes into the buffers
+                    )
+                else:
+                    async with trio.open_nursery() as watch:
+                        watch.start_soon(_set_when_cancelled, run.stop)
+                        async with trio.open_nursery() as reader_tasks:
+                            for _ in range(readers):
+                                reader_tasks.start_soon(self._reader, run)
+                        watch.cancel_scope.cancel()
             except BaseException as exc:
                 # A cancelled load raises a plain Cancelled, as a one-task load would, rather
                 # than a group of its tasks' Cancelled.  Anything else propagates as it is.
@@ -359,6 +370,17 @@ class DiskTier(BaseTier):
                 limiter=self._read_limiter,
                 abandon_on_cancel=False,  # the thread writes into buffers the caller frees
             )
+
+    def _read_all(self, run: _LoadRun) -> None:
+        """Read every chunk of ``run`` in order (runs in a worker thread); stops at the first
+        failed read, and raises ``Cancelled`` before a chunk once the load was cancelled."""
+        for i, job in enumerate(run.jobs):
+            trio.from_thread.check_cancelled()
+            try:
+                run.outcomes[i] = self._read_chunk(*job)
+            except (_ChunkMiss, OSError) as exc:
+                run.fail(i, exc)
+                return
 
     def _read_run(self, run: _LoadRun, max_chunks: int) -> None:
         """Read the next chunks of ``run``, in order, until ``max_chunks`` were read, a read
