@@ -545,10 +545,14 @@ class LookupClient:
                 if what is pull:
                     self._receive(pull)
                 else:  # the waker (the poller reports a raw fd as an int)
-                    # Clear the flag first, then the fd, then drain: a command appended
-                    # after the flag was seen set is drained below (see _wake_locked).
-                    self._wake_pending = False
+                    # Clear the fd first, then the flag, then drain.  A command appended
+                    # while the flag is still set wrote nothing, and is drained below; one
+                    # appended after the flag is cleared writes the fd again.  (The other
+                    # order loses wake-ups: a write made between clearing the flag and
+                    # reading the fd is swallowed while the flag stays set, and every later
+                    # command then waits for the idle timeout.)
                     self._waker.clear()
+                    self._wake_pending = False
             if self._run_commands(pushes):
                 return
 

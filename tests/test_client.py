@@ -643,3 +643,30 @@ def test_process_exits_when_close_is_forgotten() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "never closed" in done.stderr
+
+
+def test_submit_racing_the_bridge_wake_up_is_not_lost(cluster: Cluster) -> None:
+    """A lookup submitted while the bridge thread is consuming a wake-up must still wake it.
+
+    The bridge's wake-up handling is run with a scheduler-side submit injected at its most
+    dangerous point (just before it reads the wake-up fd).  Then a further lookup must reach
+    the worker at once, not after the bridge's idle timeout.
+    """
+    client, (worker,) = cluster(1)
+    real_clear = client._waker.clear
+    injected: list[str] = []
+
+    def clear_with_a_racing_submit() -> None:
+        if not injected:
+            injected.append("race")
+            client.lookup("race", list(range(CHUNK)))  # the scheduler thread, interleaved
+        real_clear()
+
+    client._waker.clear = clear_with_a_racing_submit  # type: ignore[method-assign]
+    client.lookup("first", list(range(CHUNK)))
+    ids = {worker.recv_request().lookup_id, worker.recv_request().lookup_id}
+    assert ids == {"first", "race"}
+    t0 = time.monotonic()
+    client.lookup("after", list(range(CHUNK)))
+    assert worker.recv_request().lookup_id == "after"
+    assert time.monotonic() - t0 < 0.4  # well before the bridge's 0.5 s idle wake-up
