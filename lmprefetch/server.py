@@ -31,7 +31,6 @@ from .transport import (
     TrioZmqSocket,
     check_endpoint,
     close_context,
-    drain,
     make_pull,
     make_push,
     open_context,
@@ -73,11 +72,10 @@ class LookupServer:
     # -- receiving --------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         sock = self._requests
+        handle = self._handle
         while True:
-            data = await sock.recv()
-            self._handle(data)
-            for more in drain(sock, _DRAIN_BATCH):
-                self._handle(more)
+            for data in await sock.recv_batch(_DRAIN_BATCH):
+                handle(data)
 
     def _handle(self, data: bytes) -> None:
         try:

@@ -442,3 +442,58 @@ def test_bind_conflict_closes_the_socket(ctx: zmq.Context[zmq.Socket[bytes]]) ->
             make_pull(ctx, url, bind=True, hwm=1)
     finally:
         first.close(linger=0)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_recv_batch_pipelined_in_order(
+    ctx: zmq.Context[zmq.Socket[bytes]], transport: str
+) -> None:
+    n = 3000
+    with trio.fail_after(LIMIT_S):
+        push, pull = pipe(ctx, transport, hwm=16)
+        with push, pull:
+            got: list[bytes] = []
+            sizes: list[int] = []
+
+            async def sender() -> None:
+                for i in range(n):
+                    await push.send(i.to_bytes(4, "big"))
+
+            async def receiver() -> None:
+                while len(got) < n:
+                    batch = await pull.recv_batch(64)
+                    assert 1 <= len(batch) <= 64
+                    sizes.append(len(batch))
+                    got.extend(batch)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receiver)
+                nursery.start_soon(sender)
+            assert [int.from_bytes(b, "big") for b in got] == list(range(n))
+
+
+async def test_cancelled_recv_batch_loses_nothing(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with trio.fail_after(LIMIT_S):
+        push, pull = inproc_pipe(ctx)
+        with push, pull:
+            async with trio.open_nursery() as nursery:
+
+                async def receiver(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+                    with trio.CancelScope() as scope:
+                        task_status.started(scope)
+                        await pull.recv_batch(8)
+                    assert scope.cancelled_caught
+
+                scope = await nursery.start(receiver)
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+            await push.send(b"a")
+            await push.send(b"b")
+            with trio.CancelScope() as scope:  # entered cancelled: takes nothing
+                scope.cancel()
+                await pull.recv_batch(8)
+            assert scope.cancelled_caught
+            assert await pull.recv_batch(8) == [b"a", b"b"]
+            pull.close()
+            with pytest.raises(trio.ClosedResourceError):
+                await pull.recv_batch(1)
