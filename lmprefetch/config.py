@@ -108,6 +108,10 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     redis_write_queue: int = 1024
     #: Concurrent Redis calls (threads) per worker.
     redis_threads: int = 4
+    #: After a failed Redis call the tier answers "miss" without touching the network for
+    #: this long, doubling up to ``redis_backoff_max_s`` while failures go on.
+    redis_backoff_initial_s: float = 0.5
+    redis_backoff_max_s: float = 30.0
 
     # -- transport --------------------------------------------------------------------
     #: ZeroMQ high-water mark (messages) on every lookup socket.
@@ -244,7 +248,14 @@ def _validate(c: PrefetchConfig) -> None:
     )
     for name in ints:
         _check_type(name, getattr(c, name), (int,))
-    for name in ("lookup_timeout_s", "claim_ttl_s", "tier_timeout_s", "redis_timeout_s"):
+    for name in (
+        "lookup_timeout_s",
+        "claim_ttl_s",
+        "tier_timeout_s",
+        "redis_timeout_s",
+        "redis_backoff_initial_s",
+        "redis_backoff_max_s",
+    ):
         _check_type(name, getattr(c, name), (float, int))
         value = getattr(c, name)
         if not value > 0 or value != value or value == float("inf"):
@@ -299,6 +310,11 @@ def _validate(c: PrefetchConfig) -> None:
     ):
         if getattr(c, name) < 1:
             raise ValueError(f"{name}: must be at least 1, got {getattr(c, name)}")
+    if c.redis_backoff_max_s < c.redis_backoff_initial_s:
+        raise ValueError(
+            f"redis_backoff_max_s: must be at least redis_backoff_initial_s "
+            f"({c.redis_backoff_initial_s}), got {c.redis_backoff_max_s}"
+        )
     if c.redis_url is not None:
         urls = [u.strip() for u in c.redis_url.split(",")]
         for url in urls:

@@ -811,6 +811,8 @@ async def open_engine(
                         timeout_s=config.redis_timeout_s,
                         threads=config.redis_threads,
                         write_queue=config.redis_write_queue,
+                        backoff_initial_s=config.redis_backoff_initial_s,
+                        backoff_max_s=config.redis_backoff_max_s,
                     )
                 )
                 tiers.append(remote)

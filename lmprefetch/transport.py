@@ -306,7 +306,7 @@ class TrioZmqSocket:
         waited = False
         while True:
             self._check_open()
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._events() & zmq.POLLIN:
                 break
             await trio.lowlevel.wait_readable(self._fd)
             waited = True
@@ -316,7 +316,7 @@ class TrioZmqSocket:
                 out.append(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not self._events() & zmq.POLLIN:
                 break
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()

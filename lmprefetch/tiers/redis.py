@@ -1,0 +1,681 @@
+"""The remote tier: chunks in Redis or Redis Cluster, shared by every engine that points at it.
+
+Several engines on several machines (each with its own CPU and disk tiers) share one Redis
+deployment: a chunk one engine stored is a hit for every other engine with the same model,
+world size, rank and dtype.  Each chunk is one Redis string under ``"lmprefetch:" +
+key.to_string()``; the key names the model, so two models never collide.  The value is a
+20-byte header (magic ``LMP\\x01``, payload length, xxh3-64 checksum of the payload) followed by
+the payload, so a truncated, foreign or corrupted value is recognised and treated as a miss.
+
+**Why redis-py's synchronous client in worker threads, not ``redis.asyncio``.**  ``redis.asyncio``
+runs on asyncio's event loop; this engine runs on Trio, which cannot drive asyncio coroutines
+without a bridge (trio-asyncio or a second loop in a thread), each of which costs a thread hop
+anyway and adds a second scheduler whose cancellation semantics do not compose with Trio's cancel
+scopes.  The sync client is thread-safe (a connection pool per node), supports standalone and
+Cluster with the same pipeline API, and each call runs in ``trio.to_thread.run_sync`` under a
+:class:`trio.CapacityLimiter` of ``threads`` tokens, so the Trio thread never blocks and the
+number of concurrent Redis calls (and pooled connections) is bounded.
+
+**Deadlines.**  Every call has two bounds: redis-py's ``socket_timeout`` /
+``socket_connect_timeout`` (``timeout_s``, enforced in the thread) and a Trio-side
+``trio.move_on_after(timeout_s)`` around the thread.  Threads that talk to Redis never touch
+arena memory, so they run with ``abandon_on_cancel=True``: a deadline or a cancellation returns at
+once and the abandoned thread finishes within its socket timeout (it keeps its limiter token
+until it does, so abandoned threads still count against ``threads``).  Copies between Redis bytes
+and arena buffers run in separate, short, memory-only threads with ``abandon_on_cancel=False``,
+so no write into (or read from) a buffer happens after :meth:`RedisTier.load` returns or after a
+buffer is released.
+
+**Faults (D05).**  A refused connection, a timeout, a cluster error or any other failure of a
+remote call is caught inside the tier, counted in ``stats.errors`` and starts a *backoff*
+(``backoff_initial_s`` doubling up to ``backoff_max_s``, measured on ``trio.current_time()``).
+While backing off the tier answers "no more hits" at once without touching the network and drops
+writes (counted in ``stats.writes_dropped``); the first call after the backoff expires tries
+again, and a success resets it.  A lookup therefore gets the prefix found before the failure
+(0 from a down server), promptly, and never an exception.
+
+**Holes (D13).**  :meth:`RedisTier.contains_prefix` and :meth:`RedisTier.load` both stop at the
+first missing or invalid value: LMCache's Redis connector dropped ``None`` results from a batch
+GET, which shifted later values onto the wrong keys.  A corrupt value is deleted (best effort) so
+that the next store rewrites it.
+
+**Pins.**  Nothing is pinned remotely (Redis evicts by its own policy, see ``docs/redis.md``);
+the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s pin bookkeeping so
+``pinned_count()`` shows what the engine still has to unpin.
+
+**Write-behind.**  :meth:`RedisTier.enqueue_write` is synchronous and never blocks: it takes a
+reference on the buffer and queues it, or drops the write (and counts it) when the queue is full
+or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
+the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, Final, TypeVar
+
+import redis
+import trio
+import xxhash
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import SSLConnection, parse_url
+from redis.retry import Retry
+
+from ..keys import ChunkKey
+from ..memory import Buffer
+from .base import BaseTier
+
+__all__ = [
+    "HEADER_BYTES",
+    "KEY_PREFIX",
+    "RedisTier",
+    "decode_value",
+    "encode_value",
+    "open_redis_tier",
+    "redis_key",
+]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Prefix of every Redis key this tier writes.
+KEY_PREFIX: Final = "lmprefetch:"
+_MAGIC: Final = b"LMP\x01"
+# magic, payload length, xxh3-64 of the payload; little-endian, no padding.
+_HEADER: Final = struct.Struct("<4sQQ")
+#: Bytes in front of the payload in every stored value.
+HEADER_BYTES: Final = _HEADER.size
+
+# Bounds on one pipelined call: keys per EXISTS pipeline, bytes per GET / SET pipeline (a
+# batch also always holds at least one key).  One batch is one thread call under one deadline.
+_EXISTS_BATCH_KEYS: Final = 256
+_LOAD_BATCH_BYTES: Final = 32 * 1024 * 1024
+_WRITE_BATCH_BYTES: Final = 16 * 1024 * 1024
+_WRITE_BATCH_KEYS: Final = 64
+_SOCKET_READ_BYTES: Final = 1024 * 1024
+
+#: How long closing waits for queued writes, and then for abandoned threads.
+CLOSE_TIMEOUT_S: Final = 10.0
+#: Added to the deadline of the first connection (see :meth:`RedisTier.connect`).
+CONNECT_SLACK_S: Final = 5.0
+
+
+def redis_key(key: ChunkKey) -> bytes:
+    """The Redis key ``key`` is stored under."""
+    return (KEY_PREFIX + key.to_string()).encode()
+
+
+def encode_value(payload: Any) -> bytes:
+    """Header plus ``payload`` (any bytes-like object): the value stored in Redis."""
+    view = memoryview(payload).cast("B")
+    header = _HEADER.pack(_MAGIC, view.nbytes, xxhash.xxh3_64_intdigest(view))
+    return b"".join((header, view))
+
+
+def decode_value(raw: bytes) -> memoryview | None:
+    """The payload of a stored value, or ``None`` when ``raw`` is not a valid value (too short,
+    wrong magic, wrong length, bad checksum)."""
+    if len(raw) < HEADER_BYTES:
+        return None
+    magic, length, checksum = _HEADER.unpack_from(raw)
+    if magic != _MAGIC or length != len(raw) - HEADER_BYTES:
+        return None
+    payload = memoryview(raw)[HEADER_BYTES:]
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        return None
+    return payload
+
+
+class _Unavailable(Exception):
+    """A remote call did not happen or failed (already counted); the caller stops here."""
+
+
+# -- what runs in worker threads (never touches arena memory) ------------------------------
+def _exists_prefix(client: Any, names: Sequence[bytes]) -> tuple[int, BaseException | None]:
+    """Pipelined EXISTS; the leading count that exist, and the error that stopped it (if any).
+
+    A cluster pipeline routes each command to its slot's node (keys of one lookup land on
+    different slots) and returns the answers in command order."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(name)
+    results = pipe.execute(raise_on_error=False)
+    n = 0
+    for result in results:
+        if isinstance(result, BaseException):
+            return n, result
+        if not result:
+            break
+        n += 1
+    return n, None
+
+
+def _get_prefix(
+    client: Any, names: Sequence[bytes], capacities: Sequence[int]
+) -> tuple[list[memoryview], BaseException | None, bool]:
+    """Pipelined GET; the verified payloads of the leading values, the error that stopped them
+    (if any), and whether a corrupt value stopped them (it is then deleted, best effort).  A
+    valid value larger than its buffer also stops them (a miss here; it stays in Redis for
+    engines with larger slots)."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(name)
+    results = pipe.execute(raise_on_error=False)
+    payloads: list[memoryview] = []
+    for name, capacity, raw in zip(names, capacities, results, strict=True):
+        if isinstance(raw, BaseException):
+            return payloads, raw, False
+        if raw is None:  # a hole: stop, never pair later values with earlier keys (D13)
+            break
+        payload = decode_value(raw)
+        if payload is None:
+            try:
+                client.delete(name)
+            except redis.RedisError:
+                pass  # best effort: the value is a miss either way
+            return payloads, None, True
+        if payload.nbytes > capacity:
+            break
+        payloads.append(payload)
+    return payloads, None, False
+
+
+def _set_all(
+    client: Any, items: Sequence[tuple[bytes, bytes]]
+) -> tuple[int, int, BaseException | None]:
+    """Pipelined SET; how many succeeded, their payload bytes, and the first error."""
+    pipe = client.pipeline(transaction=False)
+    for name, value in items:
+        pipe.set(name, value)
+    results = pipe.execute(raise_on_error=False)
+    ok = ok_bytes = 0
+    error: BaseException | None = None
+    for (_, value), result in zip(items, results, strict=True):
+        if isinstance(result, BaseException):
+            error = error or result
+        else:
+            ok += 1
+            ok_bytes += len(value) - HEADER_BYTES
+    return ok, ok_bytes, error
+
+
+def _copy_into(payloads: Sequence[memoryview], buffers: Sequence[Buffer]) -> None:
+    for payload, buf in zip(payloads, buffers, strict=False):
+        buf.slot()[: payload.nbytes] = payload
+        buf.length = payload.nbytes
+
+
+def _encode_all(items: Sequence[tuple[bytes, Buffer]]) -> list[tuple[bytes, bytes]]:
+    return [(name, encode_value(buf.view())) for name, buf in items]
+
+
+def _parse_endpoints(url: str) -> list[dict[str, Any]]:
+    urls = [part.strip() for part in url.split(",")]
+    if not url.strip() or any(not part for part in urls):
+        raise ValueError(f"redis url: expected redis://host:port[,redis://...], got {url!r}")
+    out = []
+    for part in urls:
+        if not part.startswith(("redis://", "rediss://")):
+            raise ValueError(f"redis url: entries must start with redis:// or rediss://: {part!r}")
+        out.append(parse_url(part))
+    return out
+
+
+class RedisTier(BaseTier):
+    """Chunks in Redis (one URL) or Redis Cluster (several URLs, the cluster's startup nodes).
+
+    Open it with :func:`open_redis_tier`, which also runs the write-behind task.  Constructing a
+    tier does no I/O; the client is built in a worker thread by :meth:`connect` (or by the first
+    call), and a server that is down then only starts a backoff.
+
+    Args:
+        url: ``redis://host:port`` (standalone), or a comma-separated list of such URLs
+            (cluster startup nodes; credentials and TLS are taken from the first one).
+        timeout_s: deadline of one remote call (socket and Trio side).
+        threads: concurrent remote calls (worker threads, and connections per node).
+        write_queue: writes waiting for the writer; past it writes are dropped and counted.
+        backoff_initial_s: first backoff after a failure; doubles on every further failure.
+        backoff_max_s: ceiling of the backoff.
+
+    Raises:
+        ValueError: ``url`` is not a Redis URL or list of them.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 1.0,
+        threads: int = 4,
+        write_queue: int = 1024,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        super().__init__()
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
+        if threads < 1 or write_queue < 1:
+            raise ValueError("threads and write_queue must be at least 1")
+        if not 0 < backoff_initial_s <= backoff_max_s:
+            raise ValueError("backoff: need 0 < backoff_initial_s <= backoff_max_s")
+        self._endpoints = _parse_endpoints(url)
+        self.cluster = len(self._endpoints) > 1
+        self._timeout_s = timeout_s
+        self._limiter = trio.CapacityLimiter(threads)
+        self._client: Any = None  # built in a worker thread, under _client_lock
+        self._client_lock = threading.Lock()
+        self._closed = False
+        # backoff state (Trio thread only)
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._next_backoff_s = backoff_initial_s
+        self._retry_at = -math.inf
+        # write-behind state (Trio thread only)
+        self._write_queue_max = write_queue
+        self._queue: deque[tuple[ChunkKey, Buffer]] = deque()
+        self._pending = 0  # queued plus being written
+        self._work = trio.Event()
+        self._drained = trio.Event()
+        self._drained.set()
+        self._writer_running = False
+
+    # -- remote calls ------------------------------------------------------------------
+    @property
+    def backing_off(self) -> bool:
+        """``True`` while the tier answers without touching the network after a failure."""
+        return trio.current_time() < self._retry_at
+
+    @property
+    def retry_at(self) -> float:
+        """The ``trio.current_time()`` from which remote calls are tried again (in the past, or
+        ``-inf``, when the tier is not backing off)."""
+        return self._retry_at
+
+    def _failed(self, what: str, exc: BaseException | None) -> None:
+        self.stats.errors += 1
+        if not self.backing_off:
+            log.warning(
+                "redis tier: %s failed (%s); backing off %.3g s",
+                what,
+                exc if exc is not None else "no answer",
+                self._next_backoff_s,
+            )
+        self._retry_at = trio.current_time() + self._next_backoff_s
+        self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_max_s)
+
+    def _succeeded(self) -> None:
+        if self._next_backoff_s != self._backoff_initial_s:
+            log.info("redis tier: remote calls succeed again")
+        self._retry_at = -math.inf
+        self._next_backoff_s = self._backoff_initial_s
+
+    def _make_client(self) -> Any:
+        common: dict[str, Any] = {
+            "socket_timeout": self._timeout_s,
+            "socket_connect_timeout": self._timeout_s,
+            "retry": Retry(NoBackoff(), 0),  # our deadline and backoff replace redis-py's retries
+            # redis-py's pure-Python parser reads replies in recv()s of this size: the default
+            # 64 KiB costs ~40 % of GET throughput on MiB-sized values.
+            "socket_read_size": _SOCKET_READ_BYTES,
+        }
+        if not self.cluster:
+            return redis.Redis(**{**self._endpoints[0], **common})
+        options = {k: v for k, v in self._endpoints[0].items() if k not in ("host", "port", "db")}
+        if options.pop("connection_class", None) is SSLConnection:
+            options["ssl"] = True
+        nodes = [
+            ClusterNode(e.get("host") or "localhost", e.get("port") or 6379)
+            for e in self._endpoints
+        ]
+        return RedisCluster(startup_nodes=nodes, **options, **common)
+
+    def _with_client(self, op: Callable[[Any], _T], started: list[bool]) -> _T:
+        """Worker-thread side of :meth:`_remote`: build the client if needed, run ``op``."""
+        started.append(True)
+        client = self._client
+        if client is None:
+            with self._client_lock:  # one build at a time (a cluster build connects)
+                if self._closed:
+                    raise RuntimeError("redis tier is closed")
+                if self._client is None:
+                    self._client = self._make_client()
+                client = self._client
+        return op(client)
+
+    async def _remote(
+        self, what: str, op: Callable[[Any], _T], *, deadline_s: float | None = None
+    ) -> _T:
+        """Run ``op(client)`` in a worker thread under the per-call deadline (or ``deadline_s``).
+
+        Returns ``op``'s result.  Raises :class:`_Unavailable` (after a checkpoint, without any
+        I/O) while closed or backing off; raises it after counting the failure and starting a
+        backoff when the call fails or misses its deadline.  Waiting for a free thread counts
+        against the deadline but a call that never got a thread does not start a backoff.
+
+        On cancellation the thread is abandoned (it touches no arena memory) and finishes within
+        its socket timeout; ``Cancelled`` propagates.
+        """
+        if self._closed or self.backing_off:
+            await trio.lowlevel.checkpoint()
+            raise _Unavailable
+        started: list[bool] = []
+        with trio.move_on_after(self._timeout_s if deadline_s is None else deadline_s):
+            try:
+                result = await trio.to_thread.run_sync(
+                    self._with_client, op, started, abandon_on_cancel=True, limiter=self._limiter
+                )
+            except Exception as exc:  # redis-py, socket and cluster errors of every kind (D05)
+                self._failed(what, exc)
+                raise _Unavailable from None
+            self._succeeded()
+            return result
+        if started:
+            self._failed(what, None)
+        else:
+            log.debug("redis tier: %s found no free thread within %.3g s", what, self._timeout_s)
+        raise _Unavailable
+
+    async def connect(self) -> bool:
+        """Build the client and PING the server(s); ``False`` (and a backoff) when unreachable.
+
+        Never raises for a down server: the engine starts without its remote tier and the tier
+        retries after the backoff.  Building a cluster client reads the cluster's slot map and
+        its command table (``COMMAND``, a large reply that redis-py parses in Python), so this
+        one call gets a longer deadline: ``timeout_s`` per startup node plus
+        ``CONNECT_SLACK_S``.  A refused connection still fails at once, and a black-holed one
+        within the socket timeouts.  (A client first built by a later call instead, after a
+        failed start, is built under that call's deadline; a build that outlives it finishes in
+        its abandoned thread and serves the calls after the backoff.)"""
+        deadline_s = self._timeout_s * len(self._endpoints) + CONNECT_SLACK_S
+        try:
+            await self._remote("connect", lambda client: client.ping(), deadline_s=deadline_s)
+        except _Unavailable:
+            return False
+        return True
+
+    # -- probe and load ----------------------------------------------------------------
+    async def contains(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is in Redis (``False`` while backing off or on failure)."""
+        name = redis_key(key)
+        try:
+            return bool(await self._remote("EXISTS", lambda client: client.exists(name)))
+        except _Unavailable:
+            return False
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """How many leading ``keys`` are in Redis (pipelined EXISTS, in batches, stopping at the
+        first hole); 0 at once while backing off.  Pins (bookkeeping only) are taken after the
+        last checkpoint.  On cancellation raises ``Cancelled`` and pins nothing."""
+        self.stats.probes += 1
+        names = [redis_key(key) for key in keys]
+        n = 0
+        try:
+            for start in range(0, len(names), _EXISTS_BATCH_KEYS):
+                batch = names[start : start + _EXISTS_BATCH_KEYS]
+                hit, error = await self._remote("EXISTS", partial(_exists_prefix, names=batch))
+                n += hit
+                if error is not None:
+                    self._failed("EXISTS", error)
+                    break
+                if hit < len(batch):
+                    break
+        except _Unavailable:
+            pass  # the prefix ends here; counted and backing off
+        if not names:
+            await trio.lowlevel.checkpoint()
+        # no checkpoint below: the pins are taken synchronously with the answer
+        if pin and n:
+            self.pin(keys[:n])
+        if n:
+            self.stats.hits += 1
+        return n
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        """Fill ``buffers[i]`` with ``keys[i]``'s payload; the contiguous count filled.
+
+        Pipelined GETs in batches of at most 32 MiB of buffer capacity; every value is checked
+        (magic, length <= the buffer's capacity, checksum).  Stops at the first missing, corrupt
+        or failed value (D13) and returns the count before it; a down or slow server ends the
+        prefix there (counted, backing off), it never raises.
+
+        On cancellation raises ``Cancelled``; a fetch in flight is abandoned (its bytes are
+        dropped), a copy into buffers in flight finishes first, so nothing writes into a buffer
+        after this returns or raises.
+        """
+        total = min(len(keys), len(buffers))
+        n = 0
+        loaded_bytes = 0
+        start = 0
+        while start < total:
+            end = start + 1
+            budget = buffers[start].capacity
+            while end < total and budget + buffers[end].capacity <= _LOAD_BATCH_BYTES:
+                budget += buffers[end].capacity
+                end += 1
+            names = [redis_key(key) for key in keys[start:end]]
+            capacities = [buf.capacity for buf in buffers[start:end]]
+            try:
+                payloads, error, corrupt = await self._remote(
+                    "GET", partial(_get_prefix, names=names, capacities=capacities)
+                )
+            except _Unavailable:
+                break
+            if payloads:
+                await trio.to_thread.run_sync(
+                    _copy_into, payloads, buffers[start:end], abandon_on_cancel=False
+                )
+            n += len(payloads)
+            loaded_bytes += sum(p.nbytes for p in payloads)
+            del payloads
+            if error is not None:
+                self._failed("GET", error)
+                break
+            if corrupt:
+                self.stats.errors += 1
+                log.warning("redis tier: corrupt value under %s; dropped", names[n - start])
+                break
+            if n < end:
+                break
+            start = end
+        if total == 0:
+            await trio.lowlevel.checkpoint()
+        self.stats.chunks_loaded += n
+        self.stats.bytes_loaded += loaded_bytes
+        return n
+
+    async def remove(self, key: ChunkKey) -> bool:
+        """Delete ``key`` from Redis; ``False`` if it was not there or Redis is unavailable."""
+        name = redis_key(key)
+        try:
+            return bool(await self._remote("DEL", lambda client: client.delete(name)))
+        except _Unavailable:
+            return False
+
+    # -- write-behind ------------------------------------------------------------------
+    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
+        """Queue ``buf``'s payload for writing under ``key`` (synchronous, never blocks).
+
+        Takes its own reference on ``buf`` (released by the writer once the bytes are copied
+        out).  Returns ``False``, counting ``stats.writes_dropped``, when the queue is full, the
+        tier is backing off or closed."""
+        if self._closed or len(self._queue) >= self._write_queue_max or self.backing_off:
+            self.stats.writes_dropped += 1
+            return False
+        self._queue.append((key, buf.retain()))
+        if self._pending == 0:
+            self._drained = trio.Event()
+        self._pending += 1
+        self._work.set()
+        return True
+
+    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
+        """:meth:`enqueue_write` (write-behind; ``True`` means queued, not yet in Redis)."""
+        await trio.lowlevel.checkpoint()
+        return self.enqueue_write(key, payload)
+
+    @property
+    def queued_writes(self) -> int:
+        """Writes queued or being written."""
+        return self._pending
+
+    async def flush(self) -> None:
+        """Wait until every queued write was sent or dropped.
+
+        Raises:
+            RuntimeError: writes are queued but no writer runs (use :func:`open_redis_tier`).
+        """
+        while self._pending:
+            if not self._writer_running:
+                raise RuntimeError("redis tier: writes queued but the writer is not running")
+            await self._drained.wait()
+        await trio.lowlevel.checkpoint()
+
+    async def run_writer(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The write-behind loop (runs until cancelled): batch what is queued, copy it out of
+        the arena (releasing each buffer reference, exactly once), pipeline the SETs.  Writes are
+        dropped and counted while backing off or when the batch fails."""
+        self._writer_running = True
+        try:
+            task_status.started()
+            while True:
+                if not self._queue:
+                    self._work = trio.Event()
+                    await self._work.wait()
+                    continue
+                batch: list[tuple[bytes, Buffer]] = []
+                batch_bytes = 0
+                while self._queue and len(batch) < _WRITE_BATCH_KEYS:
+                    key, buf = self._queue[0]
+                    if batch and batch_bytes + buf.length > _WRITE_BATCH_BYTES:
+                        break
+                    self._queue.popleft()
+                    batch.append((redis_key(key), buf))
+                    batch_bytes += buf.length
+                accounted = False
+                try:
+                    await self._write_batch(batch)  # counts stored / dropped when it returns
+                    accounted = True
+                finally:
+                    if not accounted:  # cancelled (shutdown past its flush deadline)
+                        self.stats.writes_dropped += len(batch)
+                    self._pending -= len(batch)
+                    if self._pending == 0:
+                        self._drained.set()
+        finally:
+            self._writer_running = False
+
+    async def _write_batch(self, batch: list[tuple[bytes, Buffer]]) -> None:
+        # Copy out of the arena in a thread that is never abandoned, then let go of the buffers
+        # at once: the network part below may be abandoned and never sees arena memory.
+        try:
+            if self._closed or self.backing_off:
+                await trio.lowlevel.checkpoint()
+                self.stats.writes_dropped += len(batch)
+                return
+            items = await trio.to_thread.run_sync(_encode_all, batch, abandon_on_cancel=False)
+        finally:
+            for _, buf in batch:
+                buf.release()
+        try:
+            ok, ok_bytes, error = await self._remote("SET", partial(_set_all, items=items))
+        except _Unavailable:
+            self.stats.writes_dropped += len(items)
+            return
+        self.stats.chunks_stored += ok
+        self.stats.bytes_stored += ok_bytes
+        if error is not None:
+            self.stats.writes_dropped += len(items) - ok
+            self._failed("SET", error)
+
+    def _drop_queued(self) -> None:
+        while self._queue:
+            _, buf = self._queue.popleft()
+            self.stats.writes_dropped += 1
+            self._pending -= 1
+            buf.release()
+        if self._pending == 0:
+            self._drained.set()
+
+    # -- shutdown ----------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Flush queued writes (if the writer runs, bounded), drop the rest, wait for abandoned
+        threads (bounded), close the client.  Shielded from cancellation; idempotent."""
+        if self._closed:
+            return
+        with trio.CancelScope(shield=True):
+            if self._writer_running:
+                with trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await self.flush()
+            self._closed = True
+            self._drop_queued()
+            # Every thread (abandoned ones too) holds a limiter token until it really ends:
+            # owning all tokens means no thread uses the client any more.
+            owned: list[object] = []
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                for _ in range(int(self._limiter.total_tokens)):
+                    borrower = object()
+                    await self._limiter.acquire_on_behalf_of(borrower)
+                    owned.append(borrower)
+            try:
+                with self._client_lock:  # a thread abandoned mid-build may still hold it
+                    client, self._client = self._client, None
+                if client is not None:
+                    await trio.to_thread.run_sync(client.close)
+            finally:
+                for borrower in owned:
+                    self._limiter.release_on_behalf_of(borrower)
+
+
+@asynccontextmanager
+async def open_redis_tier(
+    url: str,
+    *,
+    timeout_s: float,
+    threads: int,
+    write_queue: int,
+    backoff_initial_s: float = 0.5,
+    backoff_max_s: float = 30.0,
+) -> AsyncIterator[RedisTier]:
+    """Open the remote tier on ``url`` and run its writer until the block exits.
+
+    The client is built (and the server PINGed) in a worker thread; a server that is down does
+    not fail the caller: the tier starts backing off and answers misses until it can reach
+    Redis.  On exit, queued writes are flushed (shielded, at most ``CLOSE_TIMEOUT_S``), anything
+    still queued is released, and the client is closed.
+
+    Raises:
+        ValueError: ``url`` is not a Redis URL or list of them.
+    """
+    tier = RedisTier(
+        url,
+        timeout_s=timeout_s,
+        threads=threads,
+        write_queue=write_queue,
+        backoff_initial_s=backoff_initial_s,
+        backoff_max_s=backoff_max_s,
+    )
+    try:
+        await tier.connect()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tier.run_writer)
+            try:
+                yield tier
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                    await tier.flush()
+                nursery.cancel_scope.cancel()
+    finally:
+        await tier.aclose()
