@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -129,3 +130,60 @@ def test_cancel_at_every_checkpoint(scenario: str, via_caller: bool) -> None:
         # The caller either got the answer or was cancelled before it; never two answers.
         assert len(answers) <= 1, (k, answers)
         assert steps <= total + 1
+
+
+@pytest.mark.parametrize("via_caller", [False, True], ids=["engine_cancel", "caller_cancel"])
+def test_cancel_at_every_checkpoint_real_disk_tier(via_caller: bool, tmp_path: Path) -> None:
+    """The same with the real disk tier (files, worker threads) under the real clock.
+
+    Thread timing varies between runs, so step ``k`` is not the same checkpoint every time;
+    what must hold is that wherever the cancel lands, nothing is left behind.
+    """
+    config = PrefetchConfig(
+        chunk_size=CHUNK, chunk_bytes=4096, cpu_bytes=4096 * 64, disk_path=str(tmp_path)
+    )
+    toks = tokens(12)
+    data = [bytes([i]) * 4096 for i in range(12)]
+
+    async def prepare() -> None:
+        async with open_engine(config) as engine:
+            await engine.store(toks, data)
+            await engine.flush()
+
+    trio.run(prepare)
+    counter = StepCounter()
+
+    async def scenario(cancel_at: int | None) -> tuple[int, list[int]]:
+        answers: list[int] = []
+        with trio.fail_after(20):
+            async with open_engine(config) as engine:  # a fresh engine: the CPU tier is empty
+                hashes = engine.hasher.hash(toks)
+                caller = trio.CancelScope()
+                counter.steps = 0
+                counter.at = cancel_at
+                counter.action = caller.cancel if via_caller else (lambda: engine.cancel("L"))
+
+                async def call() -> None:
+                    with caller:
+                        answers.append(
+                            await engine.lookup_and_prefetch("L", hashes, offsets(len(hashes)))
+                        )
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(call)
+                if answers and answers[0]:
+                    with engine.claim("L") as chunks:
+                        assert [bytes(b.view()) for _, b in chunks] == data[: len(chunks)]
+                engine.cancel("L")
+                await engine.wait_quiet()
+                steps = counter.steps
+                counter.at = None
+                assert_conserved(engine)
+        return steps, answers
+
+    total, answers = trio.run(scenario, None, instruments=[counter])
+    assert answers == [12 * CHUNK]
+    assert total >= 2
+    for k in range(1, total + 1):
+        _, answers = trio.run(scenario, k, instruments=[counter])
+        assert len(answers) <= 1
