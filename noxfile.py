@@ -97,7 +97,7 @@ def vllm(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[test]")
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
-    _pytest(session, "-q", "-m", "vllm", "-p", "no:cacheprovider")
+    _pytest(session, "-q", "-m", "vllm or torch", "-p", "no:cacheprovider")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
