@@ -1,0 +1,177 @@
+"""The `lmprefetch` command: worker, bench (small), bench-engine, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lmprefetch import LookupClient, PrefetchConfig
+
+CLI = [sys.executable, "-m", "lmprefetch"]
+
+
+def test_worker_serves_lookups_and_stops_on_sigterm(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "w.toml"
+    cfg_file.write_text(
+        "chunk_size = 4\nchunk_bytes = 64\ncpu_bytes = 4096\nlookup_timeout_s = 10\n"
+    )
+    tag = uuid.uuid4().hex[:8]
+    req, resp = f"ipc://@lmp-cli-{tag}-w", f"ipc://@lmp-cli-{tag}-s"
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "worker",
+            "--request-endpoint",
+            req,
+            "--response-endpoint",
+            resp,
+            "--config",
+            str(cfg_file),
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "serving" in line and "metrics" in line
+        config = PrefetchConfig.from_file(cfg_file)
+        with LookupClient(config, [req], resp) as client:
+            client.lookup("a", list(range(8)))
+            assert client.wait("a", 10) == 0  # an empty worker: a miss, answered
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "bad.toml"
+    cfg_file.write_text("chunk_size = 0\n")
+    out = subprocess.run(
+        [
+            *CLI,
+            "worker",
+            "--request-endpoint",
+            "ipc://@x",
+            "--response-endpoint",
+            "ipc://@y",
+            "--config",
+            str(cfg_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "chunk_size: must be at least 1" in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_runs_small_and_reports_json(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "--conversations",
+            "6",
+            "--turns",
+            "2",
+            "--repeats",
+            "1",
+            "--miss-lookups",
+            "400",
+            "--rtt-samples",
+            "50",
+            "--chunk-bytes",
+            "65536",
+            "--cpu-bytes",
+            str(4 << 20),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["leak_free"] is True
+    assert r["replay"]["lookups"] == 6 * 2
+    assert 0 < r["replay"]["hit_ratio"] <= 1
+    assert r["raw_rtt_us"] > 0 and r["miss_rtt_us"] > 0
+    assert r["miss_lookups_per_s_per_worker"] > 0
+
+
+@pytest.mark.slow
+def test_bench_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    out = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "--conversations",
+            "4",
+            "--turns",
+            "2",
+            "--repeats",
+            "1",
+            "--miss-lookups",
+            "200",
+            "--rtt-samples",
+            "20",
+            "--chunk-bytes",
+            "65536",
+            "--cpu-bytes",
+            str(4 << 20),
+            "--plot",
+            str(png),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert png.stat().st_size > 1000
+    assert "leak check: OK" in out.stdout
+
+
+def test_bench_engine_small() -> None:
+    out = subprocess.run(
+        [
+            *CLI,
+            "bench-engine",
+            "--chunks",
+            "4",
+            "--chunk-bytes",
+            "65536",
+            "--repeats",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["idle_after"] is True and r["disk_chunks_loaded"] > 0
