@@ -56,7 +56,7 @@ MiB = 1024 * KiB
 @dataclass
 class BenchOptions:
     workers: int = 2
-    conversations: int = 40
+    conversations: int = 32
     cold_ratio: float = 0.2
     turns: int = 4
     system_tokens: int = 1024
@@ -65,8 +65,8 @@ class BenchOptions:
     concurrency: int = 16
     abort_ratio: float = 0.1
     chunk_size: int = 256
-    chunk_bytes: int = 512 * KiB
-    cpu_bytes: int = 96 * MiB
+    chunk_bytes: int = 2 * MiB  # one chunk of one rank's KV (LMCache's reference size)
+    cpu_bytes: int = 256 * MiB  # smaller than the workload: older chunks live on disk only
     miss_lookups: int = 20_000
     rtt_samples: int = 2_000
     seed: int = 0

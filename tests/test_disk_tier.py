@@ -578,9 +578,7 @@ async def test_a_bug_in_a_read_propagates_and_stops_the_load(
             assert len(tier) == 10
 
 
-async def test_d12_buffer_length_set_only_for_verified_chunks(
-    tmp_path: Path, arena: Arena
-) -> None:
+async def test_d12_buffer_length_set_only_for_verified_chunks(tmp_path: Path, arena: Arena) -> None:
     with trio.fail_after(TIMEOUT_S):
         async with opened(tmp_path, read_threads=1) as tier:
             await store(tier, arena, [0, 1], size=3000)
@@ -693,9 +691,13 @@ async def test_o_direct_read_refused_falls_back_to_buffered_reads(
     with trio.fail_after(TIMEOUT_S):
         async with opened(tmp_path, o_direct=True) as tier:
             await store(tier, arena, range(3), size=7000)
-            monkeypatch.setattr(disk, "os", _OsProxy(
-                {"open": open_tracking, "close": close_tracking, "preadv": preadv_refusing}
-            ))
+            monkeypatch.setattr(
+                disk,
+                "os",
+                _OsProxy(
+                    {"open": open_tracking, "close": close_tracking, "preadv": preadv_refusing}
+                ),
+            )
             got = await load(tier, arena, [key(h) for h in range(3)])
             assert got == [payload(h, 7000) for h in range(3)]
             assert tier.o_direct_reads == 0
@@ -717,8 +719,25 @@ async def test_o_direct_needs_page_aligned_slots(tmp_path: Path) -> None:
 
 # -- the Trio thread never does file I/O -----------------------------------------------------
 _FILE_CALLS = frozenset(
-    {"open", "close", "preadv", "pread", "read", "write", "writev", "fstat", "stat", "scandir",
-     "listdir", "makedirs", "mkdir", "unlink", "remove", "replace", "rename"}
+    {
+        "open",
+        "close",
+        "preadv",
+        "pread",
+        "read",
+        "write",
+        "writev",
+        "fstat",
+        "stat",
+        "scandir",
+        "listdir",
+        "makedirs",
+        "mkdir",
+        "unlink",
+        "remove",
+        "replace",
+        "rename",
+    }
 )
 
 
@@ -761,7 +780,16 @@ async def test_file_operations_never_run_on_the_trio_thread(
         async with opened(tmp_path / "tier") as tier:
             assert len(tier) == 1
     used = {name for name, _ in spy.calls}
-    assert {"makedirs", "scandir", "open", "preadv", "fstat", "writev", "replace",
-            "unlink", "close"} <= used
+    assert {
+        "makedirs",
+        "scandir",
+        "open",
+        "preadv",
+        "fstat",
+        "writev",
+        "replace",
+        "unlink",
+        "close",
+    } <= used
     on_trio_thread = [name for name, thread in spy.calls if thread == trio_thread]
     assert on_trio_thread == []

@@ -83,9 +83,10 @@ async def served(
     req, resp = f"ipc://@lmp-test-{tag}-req", f"ipc://@lmp-test-{tag}-resp"
     peer = Peer(req, resp)
     try:
-        async with open_engine(
-            config, rank=rank, world_size=world_size, extra_tiers=extra
-        ) as engine, serve_lookups(engine, req, resp) as server:
+        async with (
+            open_engine(config, rank=rank, world_size=world_size, extra_tiers=extra) as engine,
+            serve_lookups(engine, req, resp) as server,
+        ):
             yield engine, server, peer
     finally:
         peer.close()
