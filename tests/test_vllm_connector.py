@@ -1,0 +1,801 @@
+"""The vLLM connector against vLLM's real scheduler, on CPU, with a real lmprefetch worker.
+
+The harness follows vLLM's own connector unit tests: a ``VllmConfig`` with ``DeviceConfig("cpu")``
+and a local tiny Llama ``config.json`` (``skip_tokenizer_init``), vLLM's ``Scheduler`` (which
+builds the SCHEDULER-role connector), a separate WORKER-role connector given plain CPU KV
+tensors, and a fabricated ``ModelRunnerOutput`` per step.  A fake forward writes, for every
+computed token, a value derived from the token id, its position and the layer into the token's
+slot, so a loaded block can be checked byte for byte.
+
+Every wait is on a condition with a deadline: ``LookupClient.wait`` blocks on the client's
+condition variable, ``Engine.wait_quiet`` on a Trio event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# vLLM and torch warn (deprecations) while importing; the suite turns warnings into errors.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    trio = pytest.importorskip("trio")
+
+    from vllm import SamplingParams
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.forward_context import ForwardContext
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from lmprefetch.integration.vllm import (
+        LMPrefetchConnector,
+        LMPrefetchConnectorStats,
+        PagedKVLayout,
+        endpoint_names,
+        load_prefetch_config,
+    )
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+CHUNK = 32  # two blocks per chunk
+HEADS = 1
+ROW = 128  # the CPU backend's last dim: K and V of one head (2 x head_dim 64)
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+WAIT_S = 20.0
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    init_none_hash(sha256)
+    return path
+
+
+def make_vllm_config(
+    model_dir: Path,
+    *,
+    prefix_caching: bool = False,
+    policy: str = "recompute",
+    extra: dict[str, Any] | None = None,
+    block_size: int = BLOCK,
+    role: str = "kv_both",
+) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            dtype="float32",
+            seed=42,
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            async_scheduling=False,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMPrefetchConnector",
+            kv_connector_module_path="lmprefetch.integration.vllm",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={"chunk_size": CHUNK, "cpu_bytes": 1 << 22, **(extra or {})},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_value(token: Any, pos: Any, layer: int) -> Any:
+    """What the fake forward writes for a token: exact in float32."""
+    return token * 1024.0 + pos + layer * float(1 << 21)
+
+
+class Harness:
+    """vLLM's scheduler + a worker-role connector with CPU KV tensors, stepped by hand."""
+
+    def __init__(self, vllm_config: VllmConfig, num_blocks: int, *, register: bool = True):
+        self.vllm_config = vllm_config
+        self.num_blocks = num_blocks
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    list(LAYERS),
+                    FullAttentionSpec(
+                        block_size=BLOCK, num_kv_heads=HEADS, head_size=64, dtype=torch.float32
+                    ),
+                )
+            ],
+        )
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config,
+            self.kv_cache_config,
+            StructuredOutputManager(vllm_config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.connector: LMPrefetchConnector = self.scheduler.connector
+        self.client = self.connector.scheduler_side.client
+        self.worker = LMPrefetchConnector(vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        # The CPU attention backend's layout: [num_blocks, kv_heads, block_size, 2 * head_dim].
+        self.caches = {name: torch.zeros(num_blocks, HEADS, BLOCK, ROW) for name in LAYERS}
+        self.invalid_history: list[set[int]] = []
+        self.stats = LMPrefetchConnectorStats()
+        self._probes = 0
+        if register:
+            self.register()
+
+    def register(self) -> None:
+        self.worker.register_kv_caches(self.caches)
+
+    @property
+    def runtime(self) -> Any:
+        return self.worker.worker_side.runtime
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def step(self, *, before_forward: Any = None) -> Any:
+        """One engine step: schedule, load, (fake) forward, save, report back."""
+        out = self.scheduler.schedule()
+        worker = self.worker
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(
+            ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        )
+        if before_forward is not None:
+            before_forward(out)
+        self.fake_forward(out)
+        for name in LAYERS:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, self.caches[name], None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(out.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        self.invalid_history.append(set(invalid))
+        stats = worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                invalid_block_ids=invalid,
+                kv_connector_stats=stats,
+            ),
+        )
+        engine_outputs = self.scheduler.update_from_output(out, mro)
+        # vLLM merges the worker's and the scheduler-side connector's stats into its own
+        # SchedulerStats (as a dict), as it would for the stats logger.
+        for eco in engine_outputs.values():
+            sched_stats = eco.scheduler_stats
+            if sched_stats is not None and sched_stats.kv_connector_stats:
+                self.stats.aggregate(
+                    LMPrefetchConnector.build_kv_connector_stats(sched_stats.kv_connector_stats)
+                )
+        return out
+
+    def fake_forward(self, out: Any) -> None:
+        """Write each scheduled token's value into its slot (as attention would write K/V)."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens  # already advanced by schedule()
+            start = end - n
+            tokens = torch.tensor(list(request.all_token_ids[start:end]), dtype=torch.float32)
+            self.write_tokens(req_id, start, tokens)
+
+    def write_tokens(self, req_id: str, start: int, tokens: Any) -> None:
+        pos = torch.arange(start, start + len(tokens))
+        blocks = torch.tensor(self.block_ids(req_id))[pos // BLOCK]
+        for layer, name in enumerate(LAYERS):
+            values = kv_value(tokens, pos.to(torch.float32), layer)
+            self.caches[name][blocks, :, pos % BLOCK, :] = values[:, None, None]
+
+    def assert_loaded(self, req_id: str, tokens: list[int], start: int, end: int) -> None:
+        """Slots of tokens ``[start, end)`` hold exactly what the fake forward wrote."""
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(self.block_ids(req_id))[pos // BLOCK]
+        toks = torch.tensor(tokens[start:end], dtype=torch.float32)
+        for layer, name in enumerate(LAYERS):
+            got = self.caches[name][blocks, :, pos % BLOCK, :]
+            want = kv_value(toks, pos.to(torch.float32), layer)[:, None, None].expand_as(got)
+            assert torch.equal(got, want), f"layer {layer}: wrong KV in tokens [{start}, {end})"
+
+    def run_until_finished(self, req_id: str, max_steps: int = 50) -> None:
+        for _ in range(max_steps):
+            if req_id not in self.scheduler.requests:
+                return
+            self.step()
+        raise AssertionError(f"{req_id} did not finish in {max_steps} steps")
+
+    def wait_answer(self, req_id: str) -> int:
+        answer = self.client.wait(req_id, WAIT_S)
+        assert answer is not None, f"lookup {req_id} not answered within {WAIT_S} s"
+        return int(answer)
+
+    def wait_worker_quiet(self) -> dict[str, Any]:
+        """Wait until the worker has handled every message the client sent so far, and no
+        lookup task is alive; return the worker's stats.
+
+        A probe lookup (no whole chunk: answered 0 at once, holding nothing) is queued behind
+        everything sent before on the same socket; its answer proves the worker handled those
+        (e.g. a cleanup).  Then ``Engine.wait_quiet`` (a Trio event) under a deadline.
+        """
+        self._probes += 1
+        probe = f"probe-{self._probes}"
+        assert self.client.lookup(probe, [1]) is None
+        assert self.wait_answer(probe) == 0
+        self.client.forget(probe)
+        engine = self.runtime.engine
+
+        async def quiet() -> None:
+            with trio.fail_after(WAIT_S):
+                await engine.wait_quiet()
+
+        self.runtime.call(quiet)
+        stats: dict[str, Any] = self.runtime.stats()
+        return stats
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def make_harness(model_dir: Path) -> Iterator[Any]:
+    made: list[Harness] = []
+
+    def make(num_blocks: int = 64, *, register: bool = True, **kwargs: Any) -> Harness:
+        h = Harness(make_vllm_config(model_dir, **kwargs), num_blocks, register=False)
+        made.append(h)  # closed at teardown even if registering fails
+        if register:
+            h.register()
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def tokens_of(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 997 + 3 for i in range(n)]
+
+
+def assert_worker_idle(stats: dict[str, Any]) -> None:
+    assert stats["inflight_lookups"] == 0
+    assert stats["held_lookups"] == 0
+    assert stats["pinned_chunks"] == 0
+    assert stats["limiter_used"] == 0
+    assert stats["arena_used_bytes"] == stats["cpu_resident_bytes"]
+
+
+# -- scheduling -----------------------------------------------------------------------------
+def test_pending_lookup_keeps_request_waiting_and_others_run(make_harness: Any) -> None:
+    # No worker is registered yet, so the lookup cannot be answered: deterministic "pending".
+    h = make_harness(register=False)
+    long_req = h.add("long", tokens_of(1, 100))
+    short_req = h.add("short", tokens_of(2, CHUNK - 5))  # no whole chunk: answered 0 at once
+    for _ in range(3):
+        out = h.scheduler.schedule()
+        scheduled = {r.req_id for r in out.scheduled_new_reqs}
+        assert "long" not in scheduled
+        h.scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=list(out.num_scheduled_tokens),
+                req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
+                sampled_token_ids=[[7] for _ in out.num_scheduled_tokens],
+            ),
+        )
+    assert long_req.status == RequestStatus.WAITING
+    assert long_req.num_computed_tokens == 0
+    assert short_req.request_id not in h.scheduler.requests or short_req.num_computed_tokens > 0
+    # The worker comes up, answers (a miss), and the request is scheduled.
+    h.register()
+    assert h.wait_answer("long") == 0
+    out = h.step()
+    assert out.num_scheduled_tokens.get("long") == 100
+    assert not out.has_sync_kv_loads
+
+
+def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness: Any) -> None:
+    h = make_harness()
+    prompt = tokens_of(3, 100)  # 3 whole chunks (96 tokens) + 4
+    h.add("first", prompt)
+    assert h.wait_answer("first") == 0
+    out = h.step()
+    assert out.num_scheduled_tokens["first"] == 100
+    saves = out.kv_connector_metadata.saves
+    assert [s.first_chunk for s in saves] == [0]
+    assert saves[0].chunk_rows == [2, 2, 2]
+    h.run_until_finished("first")
+    stats = h.wait_worker_quiet()
+    assert stats["chunks_stored"] == 3
+    assert_worker_idle(stats)
+
+    # Wipe the paged cache (a fresh worker memory): only lmprefetch can bring the KV back.
+    for t in h.caches.values():
+        t.zero_()
+    second = prompt[:96] + tokens_of(4, 40)
+    req = h.add("second", second)
+    assert h.wait_answer("second") == 96
+
+    def check(out: Any) -> None:  # after start_load_kv, before the forward writes anything
+        assert out.has_sync_kv_loads
+        [load] = out.kv_connector_metadata.loads
+        assert (load.start_token, load.end_token, load.first_chunk) == (0, 96, 0)
+        h.assert_loaded("second", second, 0, 96)
+
+    out = h.step(before_forward=check)
+    assert out.num_scheduled_tokens["second"] == len(second) - 96
+    assert req.num_computed_tokens == len(second)  # 96 loaded + 40 computed
+    assert h.invalid_history[-1] == set()
+    stats = h.wait_worker_quiet()
+    assert stats["lookups_claimed"] == 1
+    assert_worker_idle(stats)
+    assert h.stats.data["hit_tokens"] == 96
+    assert h.stats.data["lookup_hits"] == 1
+    assert h.stats.data["loaded_chunks"] == 3
+    assert h.stats.data["loaded_bytes"] == 3 * 2 * len(LAYERS) * BLOCK * ROW * 4
+    # The second request's new whole chunk (tokens 96..127) is saved after its forward.
+    assert [s.first_chunk for s in out.kv_connector_metadata.saves] == [3]
+
+
+@pytest.mark.parametrize(
+    ("extra", "n_tokens"),
+    [
+        ({}, 64),
+        # One key per layer and chunk: the payload is split into the layers' rows.
+        ({"layerwise": True}, 64),
+        # The trailing 16 tokens are a partial chunk of one block, stored and loaded too.
+        ({"save_partial_chunks": True}, 80),
+    ],
+    ids=["whole-chunks", "layerwise", "partial-chunk"],
+)
+def test_full_hit_keeps_one_token_to_compute(
+    make_harness: Any, extra: dict[str, Any], n_tokens: int
+) -> None:
+    h = make_harness(extra=extra)
+    prompt = tokens_of(5, n_tokens)
+    h.add("a", prompt)
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    h.wait_worker_quiet()
+    for t in h.caches.values():
+        t.zero_()
+    req = h.add("b", prompt)
+    assert h.wait_answer("b") == n_tokens
+
+    def check(out: Any) -> None:
+        [load] = out.kv_connector_metadata.loads
+        assert (load.start_token, load.end_token) == (0, n_tokens - 1)
+        h.assert_loaded("b", prompt, 0, n_tokens - 1)
+
+    out = h.step(before_forward=check)
+    assert out.num_scheduled_tokens["b"] == 1
+    assert req.num_computed_tokens == n_tokens
+    stats = h.wait_worker_quiet()
+    assert stats["lookups_claimed"] == 1
+    assert_worker_idle(stats)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: str) -> None:
+    h = make_harness(role=role)
+    prompt = tokens_of(18, 64)
+    h.add("a", prompt)
+    if role == "kv_producer":
+        out = h.step()
+        assert out.num_scheduled_tokens["a"] == 64  # no lookup to wait for
+        assert [s.first_chunk for s in out.kv_connector_metadata.saves] == [0]
+    else:
+        assert h.wait_answer("a") == 0
+        out = h.step()
+        assert out.num_scheduled_tokens["a"] == 64
+        assert out.kv_connector_metadata.saves == []
+    h.run_until_finished("a")
+    stats = h.wait_worker_quiet()
+    assert stats["chunks_stored"] == (2 if role == "kv_producer" else 0)
+    assert stats["requests_received"] == (1 if role == "kv_producer" else 2)  # + the probe
+
+
+def test_local_prefix_cache_hit_is_skipped_and_the_rest_loaded(make_harness: Any) -> None:
+    h = make_harness(prefix_caching=True)
+    prompt = tokens_of(6, 128)
+    # Store all four chunks, then drop vLLM's own cache of them.
+    h.add("warm", prompt)
+    h.wait_answer("warm")
+    h.run_until_finished("warm")
+    assert h.scheduler.reset_prefix_cache()
+    h.wait_worker_quiet()
+    # vLLM now caches only the first 64 tokens (the blocks of a request for them).
+    h.add("half", prompt[:64] + tokens_of(7, 3))
+    h.wait_answer("half")
+    h.run_until_finished("half")
+    for t in h.caches.values():
+        t.zero_()
+    req = h.add("rest", prompt + tokens_of(8, 5))
+    # The lookup skipped the two chunks vLLM holds: workers probe and load chunks 2 and 3.
+    assert h.wait_answer("rest") == 128
+
+    def check(out: Any) -> None:
+        [load] = out.kv_connector_metadata.loads
+        assert (load.first_chunk, load.start_token, load.end_token) == (2, 64, 128)
+        h.assert_loaded("rest", prompt, 64, 128)
+
+    h.step(before_forward=check)
+    assert req.num_computed_tokens == 133
+    assert h.stats.data["loaded_chunks"] >= 2
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
+    make_harness: Any,
+) -> None:
+    h = make_harness(prefix_caching=True)
+    prompt = tokens_of(16, 128)
+    h.add("warm", prompt)
+    h.wait_answer("warm")
+    h.run_until_finished("warm")  # stored in lmprefetch, and cached by vLLM
+    req = h.add("again", [*prompt, 3, 4])
+    # vLLM holds all four chunks: nothing to look up past them.
+    assert h.connector.scheduler_side._reqs["again"].skip_tokens == 128
+    assert h.scheduler.reset_prefix_cache()  # ... until its cache is dropped
+    h.wait_worker_quiet()
+    for t in h.caches.values():
+        t.zero_()
+    out = h.step()  # vLLM now has 0 < 128 skipped: a gap; look up again from chunk 0
+    assert "again" not in out.num_scheduled_tokens
+    assert h.wait_answer("again") == 128
+
+    def check(out: Any) -> None:
+        [load] = out.kv_connector_metadata.loads
+        assert (load.first_chunk, load.start_token, load.end_token) == (0, 0, 128)
+        h.assert_loaded("again", prompt, 0, 128)
+
+    h.step(before_forward=check)
+    assert req.num_computed_tokens == 130
+    assert h.stats.data["lookup_restarts"] == 1
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_an_answer_too_old_to_trust_is_looked_up_again(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lmprefetch.integration.vllm as connector_module
+
+    h = make_harness(extra={"claim_ttl_s": 10})
+    prompt = tokens_of(17, 64)
+    h.add("a", prompt)
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    h.add("b", [*prompt, 1])
+    assert h.wait_answer("b") == 64
+    h.step()  # polls the answer: b is scheduled with it ...
+    h.run_until_finished("b")
+    h.add("c", [*prompt, 2])
+    assert h.wait_answer("c") == 64
+    # ... but c's answer is polled only after more than half of claim_ttl_s: the workers may
+    # drop the prefetch before the step claims it, so it is cancelled and looked up again.
+    later = connector_module._now() + 6
+    monkeypatch.setattr(connector_module, "_now", lambda: later)
+    loads: list[Any] = []
+    for _ in range(3):
+        out = h.step()
+        loads += out.kv_connector_metadata.loads
+        if loads:
+            break
+        assert h.wait_answer("c") == 64  # the fresh lookup (the old answer was dropped)
+    assert [s.req_id for s in loads] == ["c"]
+    assert h.stats.data["lookup_restarts"] == 1
+    stats = h.wait_worker_quiet()
+    assert stats["lookups_cancelled"] == 1
+    assert stats["lookups_claimed"] == 2
+    assert_worker_idle(stats)
+
+
+# -- abort, preemption, failures ------------------------------------------------------------
+def test_abort_while_lookup_pending_reaches_the_worker(make_harness: Any) -> None:
+    h = make_harness(register=False)
+    h.add("gone", tokens_of(9, 100))
+    h.scheduler.schedule()  # pending: no worker yet
+    h.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    assert "gone" not in h.scheduler.requests
+    assert h.client.stats()["cancels"] == 1
+    h.register()
+    # The request and its cleanup were queued (in this order) before the worker existed.
+    stats = h.wait_worker_quiet()
+    assert stats["requests_received"] == 2  # "gone" and the sync probe
+    assert stats["cleanups_received"] == 1
+    assert_worker_idle(stats)
+
+
+def test_abort_of_an_answered_never_scheduled_request_releases_the_prefetch(
+    make_harness: Any,
+) -> None:
+    h = make_harness()
+    prompt = tokens_of(11, 96)
+    h.add("a", prompt)
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    h.wait_worker_quiet()
+    h.add("b", [*prompt, 5])
+    assert h.wait_answer("b") == 96  # the worker now holds three prefetched chunks
+    assert h.runtime.stats()["held_lookups"] == 1
+    h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    stats = h.wait_worker_quiet()
+    assert stats["lookups_cancelled"] == 1
+    assert stats["lookups_claimed"] == 0
+    assert_worker_idle(stats)
+
+
+def test_preempted_request_is_looked_up_again(make_harness: Any) -> None:
+    # 8 usable blocks: two 64-token prompts fill them, the first decode step preempts one.
+    h = make_harness(num_blocks=9)
+    pa, pb = tokens_of(12, 64), tokens_of(13, 64)
+    h.add("a", pa, max_tokens=4)
+    rb = h.add("b", pb, max_tokens=2)
+    h.wait_answer("a")
+    h.wait_answer("b")
+    out = h.step()
+    assert set(out.num_scheduled_tokens) == {"a", "b"}  # both prefilled, both saved
+    out = h.step()
+    assert rb.status == RequestStatus.PREEMPTED
+    assert "b" in out.preempted_req_ids
+    # b comes back through get_num_new_matched_tokens: forget, then a fresh lookup.
+    h.step()
+    assert h.stats.data["lookup_restarts"] >= 1
+    assert h.wait_answer("b") == 64  # its chunks were stored before the preemption
+    h.run_until_finished("a")
+    for t in h.caches.values():
+        t.zero_()
+    resumed: list[Any] = []
+
+    def check(out: Any) -> None:
+        loads = [s for s in out.kv_connector_metadata.loads if s.req_id == "b"]
+        if loads:
+            resumed.append(loads[0])
+            h.assert_loaded("b", pb, 0, loads[0].end_token)
+
+    for _ in range(5):
+        if resumed:
+            break
+        h.step(before_forward=check)
+    assert resumed
+    assert resumed[0].end_token == 64
+    h.run_until_finished("b")
+    stats = h.wait_worker_quiet()
+    assert stats["lookups_claimed"] == 1
+    assert_worker_idle(stats)
+
+
+class ShortClaims:
+    """A runtime whose claims yield only the first ``keep`` chunks (the rest were lost)."""
+
+    def __init__(self, runtime: Any, keep: int) -> None:
+        self._runtime = runtime
+        self._keep = keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    def claim(self, lookup_id: str) -> Any:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def short() -> Iterator[list[Any]]:
+            with self._runtime.claim(lookup_id) as items:
+                yield items[: self._keep]
+
+        return short()
+
+
+def test_short_claim_reports_the_missing_blocks_and_vllm_recomputes(make_harness: Any) -> None:
+    h = make_harness()
+    prompt = tokens_of(14, 100)
+    h.add("a", prompt)
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    h.wait_worker_quiet()
+    for t in h.caches.values():
+        t.zero_()
+    req = h.add("b", prompt)
+    assert h.wait_answer("b") == 96
+    real = h.worker.worker_side._runtime
+    h.worker.worker_side._runtime = ShortClaims(real, keep=1)
+    try:
+        out = h.step()
+    finally:
+        h.worker.worker_side._runtime = real
+    [load] = out.kv_connector_metadata.loads
+    lost = set(load.block_ids[2:6])  # chunks 1 and 2: blocks 2..5 of the request
+    assert h.invalid_history[-1] == lost
+    assert req.status == RequestStatus.RUNNING  # "recompute": not failed
+    assert req.num_computed_tokens == 2 * BLOCK  # truncated to the first lost block
+    h.assert_loaded("b", prompt, 0, 2 * BLOCK)
+    out = h.step()
+    assert out.num_scheduled_tokens["b"] == len(prompt) - 2 * BLOCK  # recomputed
+    h.run_until_finished("b")
+    assert h.stats.data["load_failures"] == 1
+    assert h.stats.data["failed_blocks"] == 4
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_claim_lost_under_fail_policy_ends_the_request_with_an_error(make_harness: Any) -> None:
+    h = make_harness(policy="fail")
+    prompt = tokens_of(15, 64)
+    h.add("a", prompt)
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    h.wait_worker_quiet()
+    req = h.add("b", [*prompt, 9])
+    assert h.wait_answer("b") == 64
+    h.runtime.cancel("b")  # the worker lost the prefetch (as after claim_ttl_s)
+    h.step()
+    assert req.status == RequestStatus.FINISHED_ERROR
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+# -- configuration and the byte codec -------------------------------------------------------
+def test_chunk_size_must_be_a_multiple_of_the_block_size(model_dir: Path) -> None:
+    config = make_vllm_config(model_dir, extra={"chunk_size": 24})
+    with pytest.raises(ValueError, match="chunk_size: 24 is not a multiple of vLLM's block size"):
+        LMPrefetchConnector(config, KVConnectorRole.WORKER, KVCacheConfig(1, [], []))
+
+
+def test_unknown_extra_config_field_is_named(model_dir: Path) -> None:
+    config = make_vllm_config(model_dir, extra={"chunk_sise": 64})
+    with pytest.raises(ValueError, match="chunk_sise: unknown PrefetchConfig field"):
+        LMPrefetchConnector(config, KVConnectorRole.WORKER, KVCacheConfig(1, [], []))
+
+
+def test_config_file_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "lmprefetch.toml"
+    path.write_text('[lmprefetch]\nchunk_size = 128\nmodel_name = "m"\nclaim_ttl_s = 5\n')
+    config, explicit = load_prefetch_config({"config_file": str(path), "chunk_size": 64})
+    assert (config.chunk_size, config.model_name, config.claim_ttl_s) == (64, "m", 5)
+    assert {"chunk_size", "model_name", "claim_ttl_s"} <= explicit
+    assert "kv_dtype" not in explicit
+    assert "chunk_bytes" not in explicit
+
+
+def test_derived_fields_and_explicit_chunk_bytes(make_harness: Any) -> None:
+    h = make_harness()
+    config = h.runtime.config
+    assert config.kv_dtype == "float32"
+    assert config.chunk_bytes == 2 * len(LAYERS) * BLOCK * ROW * 4  # exactly one chunk
+    assert config.model_name == str(h.vllm_config.model_config.model)
+    with pytest.raises(ValueError, match="chunk_bytes: 1024 is smaller than one chunk"):
+        make_harness(extra={"chunk_bytes": 1024})
+
+
+def test_endpoint_names_stay_short() -> None:
+    workers, sched = endpoint_names("0f9c1d8e-2b7a-4c55-9d7e-3a1b2c3d4e5f_dp3", 2)
+    assert workers == [
+        "ipc://@lmprefetch-0f9c1d8e-2b7a-4c55-9d7e-3a1b2c3d4e5f_dp3-w0",
+        "ipc://@lmprefetch-0f9c1d8e-2b7a-4c55-9d7e-3a1b2c3d4e5f_dp3-w1",
+    ]
+    assert sched.endswith("-sched")
+    long_workers, long_sched = endpoint_names("x/" * 200, 1024)
+    assert all(len(url) - len("ipc://") <= 107 for url in [*long_workers, long_sched])
+    assert long_workers[0] != endpoint_names("y/" * 200, 1)[0][0]
+
+
+@pytest.mark.parametrize(
+    ("shape", "make"),
+    [
+        ("cpu [B, H, N, 2D] float32", lambda nb: torch.randn(nb, 2, 16, 128)),
+        ("flash [2, B, N, H, D] bfloat16", lambda nb: torch.randn(2, nb, 16, 4, 64).bfloat16()),
+        (
+            "kernel blocks [2B, H, N/2, C]",
+            lambda nb: torch.randn(nb * 2, 2, 8, 32),
+        ),
+        (
+            "strided block-outermost view",
+            lambda nb: torch.randn(nb, 3, 2, 16, 32)[:, 1],
+        ),
+        ("odd-sized uint8 rows", lambda nb: torch.randint(1, 255, (nb, 3, 5), dtype=torch.uint8)),
+    ],
+)
+def test_layout_extract_inject_round_trip(shape: str, make: Any) -> None:
+    nb = 12
+    caches = {"l0": make(nb), "l1": make(nb)}
+    layout = PagedKVLayout(caches, nb, 16)
+    originals = {k: v.clone() for k, v in caches.items()}
+    # Scattered blocks (indexed copies) and a run of consecutive blocks (slice copies).
+    sources = [[3, 7], [1], [4, 5, 6, 7]]
+    targets = [[5, 2], [3], [8, 9, 10, 11]]
+    staging = torch.empty(layout.payload_bytes(7), dtype=torch.uint8)
+    payloads = [bytes(p.numpy()) for p in layout.extract(sources, out=staging)]
+    assert [len(p) for p in payloads] == [layout.payload_bytes(len(ids)) for ids in sources]
+    for t in caches.values():
+        t.zero_()
+    for payload, ids in zip(payloads, targets, strict=True):
+        layout.inject([bytearray(payload)], 0, len(ids), ids)
+    dst = PagedKVLayout(caches, nb, 16)
+    src = PagedKVLayout(originals, nb, 16)
+    for a, b in zip(dst.layers, src.layers, strict=True):
+        for s_ids, t_ids in zip(sources, targets, strict=True):
+            assert torch.equal(a.rows[t_ids], b.rows[s_ids])
+        assert int(a.rows[[0, 1, 4, 6, 7]].count_nonzero()) == 0
+    # A payload part that is not whole rows, or too short, is refused.
+    with pytest.raises(ValueError, match="not 2 or more rows"):
+        layout.inject([bytearray(payloads[1])], 0, 2, [0, 1])
+
+
+def test_stats_aggregate_and_rebuild() -> None:
+    a = LMPrefetchConnector.build_kv_connector_stats({"lookups": 2, "lookup_hits": 1})
+    b = LMPrefetchConnector.build_kv_connector_stats({"lookups": 2, "loaded_bytes": 10})
+    merged = a.aggregate(b)
+    assert merged.reduce() == {
+        "lookups": 4,
+        "lookup_hits": 1,
+        "loaded_bytes": 10,
+        "hit_rate": 0.25,
+    }
+    assert not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty()
+    assert LMPrefetchConnector.build_kv_connector_stats(None).is_empty()

@@ -1,0 +1,189 @@
+"""End to end on real vLLM (CPU build): a tiny random Llama with and without lmprefetch.
+
+Three vLLM engines run side by side in subprocesses (vLLM starts its engine with the spawn
+method, and each needs a fresh process):
+
+* vLLM alone (in-process engine) — the reference tokens;
+* vLLM with the connector (in-process engine: scheduler and worker in one process, so the
+  child can report the connector's and the worker runtime's counters);
+* ``examples/vllm_offline.py`` as a user runs it (engine core and worker in their own
+  processes, lookups over ipc between them).
+
+vLLM's prefix cache is off, so every cached token reported is lmprefetch's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "vllm_offline.py"
+CHILD = Path(__file__).resolve().parent / "vllm_child.py"
+TIMEOUT_S = 600
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vllm_offline_example", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def child_env(in_process: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        # Several engines share the machine: do not pin them all to the same core.
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        PYTHONWARNINGS="ignore",
+    )
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def start(args: list[str], *, in_process: bool) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(in_process),
+        cwd=ROOT,
+    )
+
+
+def finish(
+    proc: subprocess.Popen[str], marker: str, *, keep_marker: bool = False
+) -> dict[str, Any]:
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"vLLM child timed out after {TIMEOUT_S} s:\n{out[-6000:]}") from None
+    assert proc.returncode == 0, out[-6000:]
+    lines = [line for line in out.splitlines() if line.startswith(marker)]
+    assert lines, out[-6000:]
+    line = lines[-1] if keep_marker else lines[-1][len(marker) :]
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def test_same_tokens_with_and_without_lmprefetch_and_cached_tokens_served(
+    tmp_path: Path,
+) -> None:
+    example = load_example()
+    (tmp_path / "config.json").write_text(json.dumps(example.TINY_LLAMA))
+    prompts = example.prompts()
+    spec = {
+        "model": str(tmp_path),
+        "block_size": 32,
+        "prompts": prompts,
+        "rounds": 2,
+        "max_tokens": 8,
+    }
+    baseline_proc = start([str(CHILD), json.dumps(spec)], in_process=True)
+    connector_spec = {**spec, "kv_transfer_config": example.kv_transfer_config()}
+    connector_proc = start([str(CHILD), json.dumps(connector_spec)], in_process=True)
+    example_proc = start([str(EXAMPLE), "--json"], in_process=False)
+
+    baseline = finish(baseline_proc, "RESULT ")
+    with_connector = finish(connector_proc, "RESULT ")
+    example_run = finish(example_proc, '{"connector"', keep_marker=True)  # one JSON object
+
+    # Without lmprefetch nothing is cached (prefix caching is off).
+    reference = [r["output"] for r in baseline["rounds"][0]]
+    assert all(r["cached_tokens"] == 0 for rnd in baseline["rounds"] for r in rnd)
+    assert [r["output"] for r in baseline["rounds"][1]] == reference
+
+    # With lmprefetch, in-process and as the example runs it: the same tokens every round;
+    # round 1 computes and stores, round 2 is served whole chunks (64 tokens) from lmprefetch.
+    chunk = example.kv_transfer_config()["kv_connector_extra_config"]["chunk_size"]
+    expected_cached = [len(p) // chunk * chunk for p in prompts]  # [192, 256]
+    for run in (with_connector, example_run):
+        rounds = run["rounds"]
+        assert [[r["output"] for r in rnd] for rnd in rounds] == [reference, reference]
+        assert [r["cached_tokens"] for r in rounds[0]] == [0, 0]
+        assert [r["cached_tokens"] for r in rounds[1]] == expected_cached
+
+    sched = with_connector["scheduler_counters"]
+    worker = with_connector["worker_counters"]
+    runtime = with_connector["runtime"]
+    assert sched["lookups"] == 4
+    assert sched["lookup_hits"] == 2
+    assert sched["hit_tokens"] == sum(expected_cached)
+    assert worker["loaded_chunks"] == sum(expected_cached) // chunk
+    assert worker.get("load_failures", 0) == 0
+    assert runtime["lookups_claimed"] == 2
+    assert runtime["cpu_resident_chunks"] == 4  # the shared prefix's 3 chunks + 1
+    # Nothing is left in flight, held or pinned.
+    assert runtime["inflight_lookups"] == 0
+    assert runtime["held_lookups"] == 0
+    assert runtime["pinned_chunks"] == 0
+    assert runtime["arena_used_bytes"] == runtime["cpu_resident_bytes"]
+    assert with_connector["client"]["pending"] == 0
+    assert with_connector["client"]["timeouts"] == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_store_and_load_their_slice(tmp_path: Path) -> None:
+    """TP=2: two worker processes, two lmprefetch runtimes with per-rank keys, and the
+    scheduler takes the minimum of two answers.  Round 1 caches nothing, so it is vLLM's own
+    computation (the test above shows the connector changes no token); round 2 must produce
+    the same tokens from KV that lmprefetch served."""
+    example = load_example()
+    (tmp_path / "config.json").write_text(
+        json.dumps({**example.TINY_LLAMA, "num_key_value_heads": 2})  # one KV head per rank
+    )
+    prompts = example.prompts()
+    spec = {
+        "model": str(tmp_path),
+        "block_size": 32,
+        "prompts": prompts,
+        "rounds": 2,
+        "max_tokens": 8,
+        "tensor_parallel_size": 2,
+        "kv_transfer_config": example.kv_transfer_config(),
+    }
+    rounds = finish(start([str(CHILD), json.dumps(spec)], in_process=False), "RESULT ")["rounds"]
+    chunk = example.kv_transfer_config()["kv_connector_extra_config"]["chunk_size"]
+    assert [r["cached_tokens"] for r in rounds[0]] == [0, 0]
+    assert [r["cached_tokens"] for r in rounds[1]] == [len(p) // chunk * chunk for p in prompts]
+    assert [r["output"] for r in rounds[1]] == [r["output"] for r in rounds[0]]
+
+
+def test_bench_vllm_copy_example_runs() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "bench_vllm_copy.py"),
+            *("--layers", "4", "--kv-heads", "2", "--chunks", "4", "--num-blocks", "128"),
+            *("--repeat", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=child_env(in_process=True),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "round trip check: OK" in proc.stdout
+    assert "load into paged cache:" in proc.stdout
+    assert "ratio" in proc.stdout

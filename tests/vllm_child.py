@@ -1,0 +1,68 @@
+"""A child process for ``tests/test_vllm_e2e.py``: one vLLM ``LLM``.
+
+Run as ``python tests/vllm_child.py '<json spec>'``; it generates the spec's prompts for a
+number of rounds and prints one JSON line (prefixed ``RESULT ``) with the outputs.  With one
+rank and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine runs in this process, and with the
+connector the line also carries the connector's and the worker runtime's counters (reachable
+because scheduler and worker live here).  With ``tensor_parallel_size`` > 1 the ranks are
+vLLM's worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def main() -> int:
+    spec: dict[str, Any] = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    ktc = KVTransferConfig(**spec["kv_transfer_config"]) if spec.get("kv_transfer_config") else None
+    tp = int(spec.get("tensor_parallel_size", 1))
+    llm = LLM(
+        model=spec["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=spec["block_size"],
+        seed=0,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=64 << 20,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+        kv_transfer_config=ktc,
+    )
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False)
+    rounds = []
+    for _ in range(spec["rounds"]):
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False
+        )
+        rounds.append(
+            [
+                {"cached_tokens": o.num_cached_tokens or 0, "output": list(o.outputs[0].token_ids)}
+                for o in outputs
+            ]
+        )
+    result: dict[str, Any] = {"rounds": rounds}
+    if ktc is not None and tp == 1:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker_side
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        result["runtime"] = {k: v for k, v in worker.runtime.stats().items() if k != "tiers"}
+        result["worker_counters"] = worker.counters.totals()
+        result["scheduler_counters"] = scheduler.counters.totals()
+        result["client"] = scheduler.client.stats()
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
