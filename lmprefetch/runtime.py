@@ -125,8 +125,18 @@ class WorkerRuntime:
         return int(portal.call(engine.store, token_ids, payloads))
 
     def store_hashes(self, hashes: Sequence[int], payloads: Sequence[Any]) -> int:
+        """:meth:`store` with precomputed chunk hashes (``payloads[i]`` for ``hashes[i]``):
+        for callers that store chunks from the middle of a prompt."""
         portal, engine = self._running()
         return int(portal.call(engine.store_hashes, hashes, payloads))
+
+    def store_hashes_nowait(
+        self, hashes: Sequence[int], payloads: Sequence[Any]
+    ) -> concurrent.futures.Future[int]:
+        """:meth:`store_hashes` without waiting; the payloads must stay unchanged until the
+        future is done."""
+        portal, engine = self._running()
+        return portal.start_task_soon(engine.store_hashes, hashes, payloads)
 
     def store_nowait(
         self, token_ids: Sequence[int] | Any, payloads: Sequence[Any]
@@ -160,7 +170,11 @@ class WorkerRuntime:
     def claim(self, lookup_id: str) -> Iterator[list[tuple[ChunkKey, Buffer]]]:
         """``with runtime.claim(id) as chunks:`` — the held ``(key, buffer)`` pairs; every
         buffer is released when the block exits.  Unknown, unanswered, cancelled or expired ids
-        give an empty list."""
+        give an empty list.
+
+        The pairs come in chunk order, starting at the first chunk after the skipped ones
+        (``skip_chunks``), ``keys_per_chunk`` pairs per chunk (one per layer in layerwise
+        mode), and cover a contiguous run of chunks."""
         portal, engine = self._running()
         items: list[tuple[ChunkKey, Buffer]] = portal.call(engine.take, lookup_id)
         try:

@@ -94,3 +94,11 @@ def test_bad_endpoint_arguments(config: PrefetchConfig) -> None:
         WorkerRuntime.start(config, request_endpoint="ipc://@x")
     with pytest.raises(ValueError, match="endpoint"):
         WorkerRuntime.start(config, request_endpoint="http://x", response_endpoint="ipc://@y")
+
+
+def test_store_hashes_nowait(config: PrefetchConfig) -> None:
+    with WorkerRuntime.start(config) as rt:
+        hashes = rt.call(rt.engine.hasher.hash, list(range(8)))
+        assert rt.store_hashes_nowait(hashes, [b"1" * 8, b"2" * 8]).result(timeout=10) == 2
+        assert rt.lookup_and_prefetch("h", hashes, [CHUNK, CHUNK]) == 8
+        rt.cancel("h")
