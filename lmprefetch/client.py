@@ -460,44 +460,25 @@ class LookupClient:
             e.submitted_at = now
             self._entries[lookup_id] = e
             self._counters["submitted"] += 1
-            if hashes is not None:
-                direct = True
-            else:
-                direct = False
-                self._commands.append(
-                    (
-                        _REQUEST,
-                        lookup_id,
-                        seq,
-                        token_ids,
-                        n_tokens,
-                        skip_tokens,
-                        request_configs,
-                        hashes,
-                        offsets,
-                        deadline_ms,
-                    )
-                )
+            cmd = (
+                _REQUEST,
+                lookup_id,
+                seq,
+                token_ids,
+                n_tokens,
+                skip_tokens,
+                request_configs,
+                hashes,
+                offsets,
+                deadline_ms,
+            )
+            if hashes is None:
+                self._commands.append(cmd)
                 self._wake_locked()
-        if direct:
+        if hashes is not None:
             # Precomputed hashes: nothing to hash, so send from this thread at once and save
             # the hop to the bridge thread (a few microseconds per worker).
-            assert hashes is not None and offsets is not None
-            self._send_request(
-                (
-                    _REQUEST,
-                    lookup_id,
-                    seq,
-                    token_ids,
-                    n_tokens,
-                    skip_tokens,
-                    request_configs,
-                    hashes,
-                    offsets,
-                    deadline_ms,
-                ),
-                None,
-            )
+            self._send_request(cmd, None)
         return None
 
     def _expire(self, lookup_id: str, e: _Entry) -> int:

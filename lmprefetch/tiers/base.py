@@ -21,7 +21,7 @@ Rules every tier keeps:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol, runtime_checkable
 
 import trio
@@ -165,6 +165,24 @@ class BaseTier:
             self.pin(keys[:n])
         if n:
             self.stats.hits += 1
+        return n
+
+    def _count_prefix(
+        self, present: Container[ChunkKey], keys: Sequence[ChunkKey], pin: bool
+    ) -> int:
+        """The synchronous probe of a tier with an in-memory index: count the leading keys
+        in ``present`` and pin them.  Callers checkpoint *before* it, so the pins are taken
+        after the probe's last checkpoint."""
+        self.stats.probes += 1
+        n = 0
+        for key in keys:
+            if key not in present:
+                break
+            n += 1
+        if n:
+            self.stats.hits += 1
+            if pin:
+                self.pin(keys[:n])
         return n
 
     # -- pins -------------------------------------------------------------------------

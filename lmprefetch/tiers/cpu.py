@@ -41,19 +41,7 @@ class CpuTier(BaseTier):
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
         await trio.lowlevel.checkpoint()
-        # Everything below is synchronous: pins are taken after the last checkpoint.
-        self.stats.probes += 1
-        entries = self._entries
-        n = 0
-        for key in keys:
-            if key not in entries:
-                break
-            n += 1
-        if pin and n:
-            self.pin(keys[:n])
-        if n:
-            self.stats.hits += 1
-        return n
+        return self._count_prefix(self._entries, keys, pin)  # synchronous: pins come last
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[Buffer]:
         """One owner reference per cached buffer of the leading ``keys`` (stops at a miss)."""

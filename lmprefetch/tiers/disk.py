@@ -276,19 +276,7 @@ class DiskTier(BaseTier):
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
         await trio.lowlevel.checkpoint()
-        # Everything below is synchronous: pins are taken after the last checkpoint.
-        self.stats.probes += 1
-        index = self._index
-        n = 0
-        for key in keys:
-            if key not in index:
-                break
-            n += 1
-        if pin and n:
-            self.pin(keys[:n])
-        if n:
-            self.stats.hits += 1
-        return n
+        return self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
 
     def _drop(self, key: ChunkKey) -> None:
         size = self._index.pop(key, None)
