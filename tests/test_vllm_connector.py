@@ -461,7 +461,9 @@ def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: st
     assert stats["requests_received"] == (1 if role == "kv_producer" else 2)  # + the probe
 
 
-def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(make_harness: Any) -> None:
+def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(
+    make_harness: Any,
+) -> None:
     h = make_harness(prefix_caching=True)
     prompt = tokens_of(6, 128)
     # Store all four chunks, then drop vLLM's own cache of them.
