@@ -111,9 +111,11 @@ def lmcache(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks; each prints its peer or physical limit beside its own figure."""
-    session.install("-e", ".[redis]")
+    session.install("-e", ".[redis,plot]")
     session.run("lmprefetch", "bench", *session.posargs)
     session.run("python", "examples/bench_engine.py")
+    if shutil.which("redis-server") is not None:
+        session.run("python", "examples/bench_redis.py")
 
 
 @nox.session(python="3.11")
