@@ -84,7 +84,7 @@ class CpuTier(BaseTier):
             buf = self._arena.allocate()
         try:
             buf.write(payload)
-        except BaseException:
+        except Exception:  # synchronous: nothing here can be cancelled
             buf.release()
             raise
         self._entries[key] = buf
