@@ -23,19 +23,30 @@ message                    fields (LMCache's first, then lmprefetch's extensions
 
 Decoding errors are part of the API: :func:`decode_worker_message` and :func:`decode_response`
 raise :class:`msgspec.DecodeError` (its subclass :class:`msgspec.ValidationError` for
-well-formed msgpack of the wrong shape) and nothing else, so a receive loop catches exactly
-``msgspec.DecodeError``, counts the frame as malformed and carries on.  A request that decodes
-but makes no sense (hashes and offsets of different lengths, …) is reported by
-:func:`validate_request`.
+well-formed msgpack of the wrong shape) and nothing else, whatever the bytes: msgspec itself
+lets a few other exceptions escape for hostile input (``RecursionError`` for arrays nested a
+thousand deep inside an ignored field, ``UnicodeDecodeError`` for a bad ``str``), and those are
+turned into ``DecodeError`` here.  So a receive loop catches exactly ``msgspec.DecodeError``,
+counts the frame as malformed and carries on.
+
+Every integer on the wire is checked against its wire type when it is decoded, so that whatever
+decodes can be answered: ``seq``, ``deadline_ms`` and ``num_hit_tokens`` are 0 … 2**63-1,
+``worker_id`` is -1 … 2**31-1, and hashes are any 64-bit value, signed or unsigned.  A request
+that decodes but makes no sense (hashes and offsets of different lengths, an offset that is not
+a token count of 1 … 2**32-1, a bad ``skip_chunks``) is reported by :func:`validate_request`;
+the worker answers it 0.  An accepted request therefore always gets exactly one answer, and that
+answer always encodes.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Annotated, Final, TypeAlias
 
 import msgspec
 
 __all__ = [
+    "INT64_MAX",
+    "MAX_CHUNK_TOKENS",
     "LookupCleanupMsg",
     "LookupMsg",
     "LookupRequestMsg",
@@ -46,6 +57,17 @@ __all__ = [
     "encode",
     "validate_request",
 ]
+
+
+#: The largest signed 64-bit integer: the bound of ``seq``, ``deadline_ms`` and token counts.
+INT64_MAX: Final = 2**63 - 1
+#: The most tokens one chunk may have (an unsigned 32-bit count).
+MAX_CHUNK_TOKENS: Final = 2**32 - 1
+
+#: A sequence number, deadline or token total: a non-negative signed 64-bit integer.
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+#: A rank, or -1 for "not said" (an LMCache worker).
+_WorkerId = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
 
 
 class LookupMsg(msgspec.Struct, tag=True, tag_field="type", gc=False):
@@ -69,10 +91,10 @@ class LookupRequestMsg(LookupMsg):
     request_configs: dict[str, str] | None = None
     # -- lmprefetch extensions ----------------------------------------------------------
     #: The client's sequence number for this lookup (0: unknown, e.g. an LMCache client).
-    seq: int = 0
+    seq: _U63 = 0
     #: Absolute wall-clock deadline in epoch milliseconds (``time.time() * 1000``) after
     #: which the worker stops and answers 0; 0 means none.
-    deadline_ms: int = 0
+    deadline_ms: _U63 = 0
     #: Leading chunks the engine already holds; workers count them as hit without probing
     #: or loading them.
     skip_chunks: int = 0
@@ -83,12 +105,12 @@ class LookupResponseMsg(LookupMsg):
 
     lookup_id: str
     #: Hit tokens (not chunks), counted from token 0.
-    num_hit_tokens: int
+    num_hit_tokens: _U63
     # -- lmprefetch extensions ----------------------------------------------------------
     #: Echo of the request's ``seq`` (0 from an LMCache worker).
-    seq: int = 0
+    seq: _U63 = 0
     #: The answering rank; -1 from an LMCache worker, which does not say.
-    worker_id: int = -1
+    worker_id: _WorkerId = -1
 
 
 class LookupCleanupMsg(LookupMsg):
@@ -97,7 +119,7 @@ class LookupCleanupMsg(LookupMsg):
     lookup_id: str
     # -- lmprefetch extensions ----------------------------------------------------------
     #: The lookup's ``seq``; 0 means "whatever is held under this id".
-    seq: int = 0
+    seq: _U63 = 0
 
 
 #: What a worker's request socket carries.
@@ -128,8 +150,10 @@ def decode_worker_message(buf: bytes | bytearray | memoryview) -> WorkerMessage:
     """
     try:
         return _worker_decoder.decode(buf)
-    except UnicodeDecodeError as exc:
-        raise _bad_utf8(exc) from None
+    except msgspec.DecodeError:
+        raise
+    except Exception as exc:
+        raise _malformed(exc) from None
 
 
 def decode_response(buf: bytes | bytearray | memoryview) -> LookupResponseMsg:
@@ -141,14 +165,17 @@ def decode_response(buf: bytes | bytearray | memoryview) -> LookupResponseMsg:
     """
     try:
         return _response_decoder.decode(buf)
-    except UnicodeDecodeError as exc:
-        raise _bad_utf8(exc) from None
+    except msgspec.DecodeError:
+        raise
+    except Exception as exc:
+        raise _malformed(exc) from None
 
 
-def _bad_utf8(exc: UnicodeDecodeError) -> msgspec.DecodeError:
-    # msgspec lets a str that is not valid UTF-8 escape as UnicodeDecodeError (found by
-    # fuzzing); to callers it is just another malformed frame.
-    return msgspec.DecodeError(f"MessagePack data is malformed: invalid UTF-8 in a str ({exc})")
+def _malformed(exc: Exception) -> msgspec.DecodeError:
+    # msgspec lets some hostile input escape as other exceptions (found by fuzzing): a str that
+    # is not valid UTF-8 (UnicodeDecodeError), containers nested ~1,000 deep even inside a field
+    # that is ignored (RecursionError).  To callers every one is just another malformed frame.
+    return msgspec.DecodeError(f"MessagePack data is malformed: {type(exc).__name__}: {exc}")
 
 
 def validate_request(msg: LookupRequestMsg) -> str | None:
@@ -156,15 +183,22 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
 
     Returns:
         ``None`` for a sane request, else a sentence saying what is wrong: ``hashes`` and
-        ``offsets`` differ in length, an offset is not positive, or ``skip_chunks`` is
-        negative or larger than the number of chunks.
+        ``offsets`` differ in length, an offset is not a token count of 1 … 2**32-1, the
+        tokens add up to more than 2**63-1 (the answer could not be encoded), or
+        ``skip_chunks`` is negative or larger than the number of chunks.
     """
     n = len(msg.hashes)
     if n != len(msg.offsets):
         return f"hashes and offsets differ in length ({n} != {len(msg.offsets)})"
+    total = 0
     for i, offset in enumerate(msg.offsets):
-        if offset <= 0:
-            return f"offsets[{i}] must be a positive token count, got {offset}"
+        if not 0 < offset <= MAX_CHUNK_TOKENS:
+            return (
+                f"offsets[{i}] must be a token count of 1 to {MAX_CHUNK_TOKENS}, got {offset}"
+            )
+        total += offset
+    if total > INT64_MAX:
+        return f"the offsets add up to {total} tokens, more than {INT64_MAX}"
     if not 0 <= msg.skip_chunks <= n:
         return (
             f"skip_chunks must be between 0 and the number of chunks ({n}), got {msg.skip_chunks}"

@@ -133,7 +133,13 @@ def close_context(
 
 
 def _make_socket(
-    ctx: zmq.Context[Any], kind: int, endpoint: str, *, bind: bool, hwm: int
+    ctx: zmq.Context[Any],
+    kind: int,
+    endpoint: str,
+    *,
+    bind: bool,
+    hwm: int,
+    max_message_bytes: int = -1,
 ) -> zmq.Socket[bytes]:
     check_endpoint(endpoint)
     if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
@@ -144,6 +150,9 @@ def _make_socket(
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        # A peer that sends a larger frame is disconnected by libzmq before the frame is
+        # buffered, so one hostile frame cannot make us allocate without bound.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if bind:
             sock.bind(endpoint)
         else:
@@ -168,12 +177,22 @@ def make_push(ctx: zmq.Context[Any], endpoint: str, *, bind: bool, hwm: int) -> 
     return _make_socket(ctx, zmq.PUSH, endpoint, bind=bind, hwm=hwm)
 
 
-def make_pull(ctx: zmq.Context[Any], endpoint: str, *, bind: bool, hwm: int) -> zmq.Socket[bytes]:
+def make_pull(
+    ctx: zmq.Context[Any],
+    endpoint: str,
+    *,
+    bind: bool,
+    hwm: int,
+    max_message_bytes: int = -1,
+) -> zmq.Socket[bytes]:
     """A PULL socket on ``endpoint`` with ``linger=0`` and ``SNDHWM = RCVHWM = hwm``.
 
-    See :func:`make_push`.
+    ``max_message_bytes`` (``ZMQ_MAXMSGSIZE``; -1: no limit) bounds one incoming frame: a peer
+    that sends a larger one is disconnected.  See :func:`make_push`.
     """
-    return _make_socket(ctx, zmq.PULL, endpoint, bind=bind, hwm=hwm)
+    return _make_socket(
+        ctx, zmq.PULL, endpoint, bind=bind, hwm=hwm, max_message_bytes=max_message_bytes
+    )
 
 
 def try_send(sock: zmq.Socket[Any], data: bytes | memoryview) -> bool:
