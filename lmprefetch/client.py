@@ -67,7 +67,7 @@ from .transport import (
     try_send,
 )
 
-__all__ = ["LookupClient"]
+__all__ = ["LookupClient", "LookupClientError"]
 
 logger = logging.getLogger("lmprefetch.client")
 
@@ -91,6 +91,15 @@ _IDLE_CHECK_MS: Final = 500
 _REQUEST: Final = 0
 _CLEANUP: Final = 1
 _STOP: Final = 2
+
+
+class LookupClientError(RuntimeError):
+    """The client's bridge thread died, so no lookup can be answered any more.
+
+    Raised by every later :meth:`LookupClient.lookup` and :meth:`LookupClient.wait` (never a
+    silent 0), with the thread's exception as ``__cause__``; the traceback was also logged
+    when the thread died.  Close the client and make a new one (or restart the process).
+    """
 
 
 class _Entry:
@@ -231,6 +240,8 @@ class LookupClient:
         )
 
         self._startup_error: BaseException | None = None
+        #: Why the bridge thread died, if it did (read without the lock on every lookup).
+        self._failure: BaseException | None = None
         ready = threading.Event()
         self._thread = threading.Thread(
             target=self._bridge, args=(ready,), name="lmprefetch-client-bridge", daemon=False
@@ -281,10 +292,13 @@ class LookupClient:
             offsets: tokens per chunk, one per hash.
 
         Raises:
+            LookupClientError: the bridge thread died (see its ``__cause__``).
             RuntimeError: the client is closed.
             ValueError: ``skip_tokens`` is negative, or only one of ``hashes`` / ``offsets``
                 is given, or they differ in length.
         """
+        if self._failure is not None:
+            self._raise_failure()
         e = self._entries.get(lookup_id)
         if e is not None:
             result = e.result
@@ -341,6 +355,7 @@ class LookupClient:
 
         Raises:
             KeyError: no lookup with this id is known.
+            LookupClientError: the bridge thread died (before or during the wait).
         """
         end = _monotonic() + timeout_s
         with self._cond:
@@ -348,6 +363,8 @@ class LookupClient:
             if e is None:
                 raise KeyError(lookup_id)
             while True:
+                if self._failure is not None:
+                    self._raise_failure()
                 if self._entries.get(lookup_id) is not e:
                     return None
                 if e.result is not None:
@@ -506,6 +523,12 @@ class LookupClient:
         )
         return 0
 
+    def _raise_failure(self) -> None:
+        raise LookupClientError(
+            f"the LookupClient's bridge thread died ({self._failure!r}); no lookup can be "
+            "answered: close this client and make a new one"
+        ) from self._failure
+
     def _wake_locked(self) -> None:
         if not self._wake_pending:
             self._wake_pending = True
@@ -527,7 +550,13 @@ class LookupClient:
         try:
             try:
                 hwm = self._config.socket_hwm
-                pull = make_pull(ctx, self._response_endpoint, bind=True, hwm=hwm)
+                pull = make_pull(
+                    ctx,
+                    self._response_endpoint,
+                    bind=True,
+                    hwm=hwm,
+                    max_message_bytes=self._config.max_message_bytes,
+                )
                 self._response_endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
                 for url in self._worker_endpoints:
                     pushes.append(make_push(ctx, url, bind=False, hwm=hwm))
@@ -538,8 +567,16 @@ class LookupClient:
             finally:
                 ready.set()
             self._serve(pull, pushes)
-        except Exception:
-            logger.exception("lmprefetch client bridge thread failed; lookups will time out")
+        except BaseException as exc:
+            # Never silent: the traceback goes to the log now, and every later lookup() and
+            # wait() raises LookupClientError instead of quietly answering 0 forever.
+            logger.critical(
+                "lmprefetch client bridge thread failed; every later lookup raises",
+                exc_info=True,
+            )
+            with self._lock:
+                self._failure = exc
+                self._cond.notify_all()
         finally:
             with self._send_lock:
                 self._pushes = None
@@ -643,7 +680,7 @@ class LookupClient:
                 break
             try:
                 msgs.append(decode_response(buf))
-            except msgspec.DecodeError:
+            except Exception:  # DecodeError by contract; whatever the bytes, never fatal
                 malformed += 1
         with self._lock:
             counters = self._counters

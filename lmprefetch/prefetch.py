@@ -29,6 +29,7 @@ import enum
 import heapq
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from typing import Any, Literal
@@ -123,20 +124,26 @@ class _Lookup:
         self.has_task = True  # False: answered synchronously; the expiry task ends its hold
         self._on_answer = on_answer
 
-    def give_answer(self, hit_tokens: int) -> None:
-        """Answer exactly once."""
+    def give_answer(self, hit_tokens: int) -> bool:
+        """Answer exactly once; ``False`` if the answer callback raised (it is logged)."""
         if self.answer is not None:
-            return
+            return True
         self.answer = hit_tokens
-        try:
-            self._on_answer(hit_tokens)
-        except Exception:  # a broken callback must not break the engine
-            log.exception("answer callback for lookup %s failed", self.lookup_id)
+        return _call_back(self._on_answer, hit_tokens, self.lookup_id)
 
     def release_loaded(self) -> None:
         loaded, self.loaded = self.loaded, []
         for _, buf in loaded:
             buf.release()
+
+
+def _call_back(on_answer: AnswerCallback, hit_tokens: int, lookup_id: str) -> bool:
+    try:
+        on_answer(hit_tokens)
+    except Exception:  # a broken callback must not break the engine, but it is a bug
+        log.exception("answer callback for lookup %s failed", lookup_id)
+        return False
+    return True
 
 
 class Engine:
@@ -254,22 +261,22 @@ class Engine:
             or any(o <= 0 for o in offsets)
         ):
             self.counters["malformed_requests"] += 1
-            self._answer_now(on_answer, 0, started)
+            self._answer_now(lookup_id, on_answer, 0, started)
             return None
         if self._closed:
-            self._answer_now(on_answer, 0, started)
+            self._answer_now(lookup_id, on_answer, 0, started)
             return None
         if deadline is None:
             deadline = started + self.config.lookup_timeout_s
         elif deadline <= started:
             self.counters["deadline_expired"] += 1
-            self._answer_now(on_answer, 0, started)
+            self._answer_now(lookup_id, on_answer, 0, started)
             return None
         cum = [0]
         for o in offsets:
             cum.append(cum[-1] + o)
         if skip_chunks == n_chunks:
-            self._answer_now(on_answer, cum[n_chunks], started)
+            self._answer_now(lookup_id, on_answer, cum[n_chunks], started)
             return None
         rec = self._try_without_task(
             lookup_id, hashes, cum, skip_chunks, seq, deadline, on_answer, started
@@ -317,7 +324,7 @@ class Engine:
                 return False
         if hit == skip_chunks:
             # A miss every tier can rule out without I/O: answer now, hold nothing.
-            self._answer_now(on_answer, cum[skip_chunks], started)
+            self._answer_now(lookup_id, on_answer, cum[skip_chunks], started)
             return None
         keys = self.keys.keys(hashes[skip_chunks:hit])
         buffers = cpu.acquire(keys)
@@ -325,7 +332,7 @@ class Engine:
         for buf in buffers[whole:]:
             buf.release()
         if whole == 0:
-            self._answer_now(on_answer, cum[skip_chunks], started)
+            self._answer_now(lookup_id, on_answer, cum[skip_chunks], started)
             return None
         rec = _Lookup(lookup_id, seq, deadline, on_answer)
         rec.has_task = False
@@ -338,8 +345,7 @@ class Engine:
         if expires < self._expiry_scope.deadline:
             self._expiry_scope.deadline = expires
         tokens = cum[skip_chunks + whole // kpc]
-        rec.give_answer(tokens)
-        self._count_answer(tokens, started)
+        self._count_answer(tokens, started, rec.give_answer(tokens))
         return rec
 
     async def _expire_held(self) -> None:
@@ -367,14 +373,14 @@ class Engine:
         if self._lookups.get(rec.lookup_id) is rec:
             del self._lookups[rec.lookup_id]
 
-    def _answer_now(self, on_answer: AnswerCallback, hit_tokens: int, started: float) -> None:
-        self._count_answer(hit_tokens, started)
-        try:
-            on_answer(hit_tokens)
-        except Exception:
-            log.exception("answer callback failed")
+    def _answer_now(
+        self, lookup_id: str, on_answer: AnswerCallback, hit_tokens: int, started: float
+    ) -> None:
+        self._count_answer(hit_tokens, started, _call_back(on_answer, hit_tokens, lookup_id))
 
-    def _count_answer(self, hit_tokens: int, started: float) -> None:
+    def _count_answer(self, hit_tokens: int, started: float, delivered: bool = True) -> None:
+        if not delivered:  # the answer callback raised: a bug, counted where tests look
+            self.counters["lookups_failed"] += 1
         if hit_tokens > 0:
             self.counters["lookup_hits"] += 1
             self.counters["hit_tokens"] += hit_tokens
@@ -404,8 +410,7 @@ class Engine:
                     rec.release_loaded()
                 if not rec.loaded:
                     chunks = min(chunks, skip_chunks)
-                rec.give_answer(cum[chunks])
-                self._count_answer(cum[chunks], started)
+                self._count_answer(cum[chunks], started, rec.give_answer(cum[chunks]))
                 if not rec.loaded:
                     return
                 rec.state = LookupState.HELD
@@ -413,8 +418,7 @@ class Engine:
                 self.counters["lookups_expired"] += 1
         finally:
             if rec.answer is None:  # cancelled or failed before the answer
-                rec.give_answer(0)
-                self._count_answer(0, started)
+                self._count_answer(0, started, rec.give_answer(0))
             if rec.state is not LookupState.CLAIMED:
                 rec.state = LookupState.DONE
             if self._lookups.get(rec.lookup_id) is rec:
@@ -498,10 +502,12 @@ class Engine:
         part.pins.release()  # the owner references now keep the entries from eviction
 
     async def _load_part(self, part: _Part) -> None:
-        """Load one tier's hit chunks into new arena buffers, under the limiter."""
+        """Load one tier's hit chunks into new arena buffers, under the limiter.
+
+        Only the tier's own ``load`` may fail softly (see :meth:`_tier_load`); an exception
+        from anything else here is a bug in lmprefetch and fails the lookup, loudly.
+        """
         kpc = self._kpc
-        tier = part.tier
-        usable = 0
         try:
             async with self.limiter.hold(part.n_chunks) as granted:
                 want = granted * kpc
@@ -510,25 +516,33 @@ class Engine:
                 usable = len(part.buffers) // kpc * kpc
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
                 if usable:
-                    t0 = trio.current_time()
-                    tier.stats.load_started(t0)
-                    try:
-                        with trio.move_on_after(self.config.tier_timeout_s) as load_scope:
-                            got = await tier.load(part.keys[:usable], part.buffers)
-                            part.loaded = max(0, min(got, usable)) // kpc
-                    finally:
-                        now = trio.current_time()
-                        tier.stats.load_ended(now, now - t0)
+                    got = await self._tier_load(part.tier, part.keys[:usable], part.buffers)
+                    part.loaded = got // kpc
                     part.release_buffers(part.loaded * kpc)
-            if usable and load_scope.cancelled_caught:
-                log.warning("tier %s load timed out; prefix ends there", tier.name)
-                tier.stats.errors += 1
+        finally:
+            part.pins.release()
+
+    async def _tier_load(
+        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
+    ) -> int:
+        """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
+        when the tier raises or times out (the prefix ends at this tier; D05)."""
+        t0 = trio.current_time()
+        tier.stats.load_started(t0)
+        try:
+            with trio.move_on_after(self.config.tier_timeout_s):
+                got = await tier.load(keys, buffers)
+                return max(0, min(got, len(keys)))
         except Exception:
             log.warning("tier %s failed a load; prefix ends there", tier.name, exc_info=True)
             tier.stats.errors += 1
-            part.loaded = 0
+            return 0
         finally:
-            part.pins.release()
+            now = trio.current_time()
+            tier.stats.load_ended(now, now - t0)
+        log.warning("tier %s load timed out; prefix ends there", tier.name)
+        tier.stats.errors += 1
+        return 0
 
     # -- claim and cancel -------------------------------------------------------------
     def take(self, lookup_id: str) -> list[tuple[ChunkKey, Buffer]]:
@@ -586,6 +600,11 @@ class Engine:
         for rec in list(self._lookups.values()):
             self.cancel(rec.lookup_id)
 
+    def note_malformed_request(self) -> None:
+        """Count a request that a front end (the lookup server) rejected before it reached
+        :meth:`start_lookup`; it shows in ``stats()["malformed_requests"]``."""
+        self.counters["malformed_requests"] += 1
+
     def current_seq(self, lookup_id: str) -> int | None:
         """The sequence number of the running lookup of ``lookup_id``, if any."""
         rec = self._lookups.get(lookup_id)
@@ -607,8 +626,12 @@ class Engine:
     ) -> int:
         """Look up, prefetch, and return the hit-token count once the loads are done.
 
-        The result stays held for :meth:`claim` (until ``claim_ttl_s``).  If the caller is
-        cancelled before the answer, the lookup is cancelled and releases everything.
+        The result stays held for :meth:`claim` (until ``claim_ttl_s``).
+
+        Cancellation: if this call raises (``Cancelled`` at its one checkpoint, or anything
+        else), the lookup it started is cancelled and has released everything by the time the
+        exception leaves, even when its answer was already known; a call that raised had no
+        lasting effect.
         """
         result: list[int] = []
         done = trio.Event()
@@ -628,9 +651,14 @@ class Engine:
         )
         try:
             await done.wait()
-        finally:
-            if not result and rec is not None and self._lookups.get(lookup_id) is rec:
+        except BaseException:
+            # Trio's rule: a call that raised (Cancelled above all) had no lasting effect.
+            # The answer may be known already (a full CPU hit answers before the wait, and an
+            # answer can land between the cancellation and this task running again), so the
+            # lookup is cancelled whatever its state, releasing what it holds at once.
+            if rec is not None and self._lookups.get(lookup_id) is rec:
                 self.cancel(lookup_id)
+            raise
         return result[0]
 
     # -- store ------------------------------------------------------------------------
@@ -760,6 +788,20 @@ def _as_bytes_view(payload: Any, index: int) -> memoryview:
         ) from None
 
 
+def _check_machine_memory(cpu_bytes: int) -> None:
+    """A ``cpu_bytes`` larger than the machine's memory is a configuration error, said at
+    start-up: the arena would be created lazily and fail much later, inside a lookup."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return
+    if physical > 0 and cpu_bytes > physical:
+        raise ValueError(
+            f"cpu_bytes: {cpu_bytes} bytes is more than this machine's memory "
+            f"({physical} bytes); lower cpu_bytes"
+        )
+
+
 @asynccontextmanager
 async def open_engine(
     config: PrefetchConfig,
@@ -777,12 +819,30 @@ async def open_engine(
     On exit every lookup is cancelled and releases what it owns, pending disk and remote writes
     are flushed, and the CPU tier is dropped.  A new engine on the same ``disk_path`` finds the
     chunks the old one stored.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`PrefetchConfig`.
+        ValueError: a setting this machine cannot honour, naming it: ``rank`` out of range,
+            ``cpu_bytes`` more than the machine's memory, ``disk_path`` not a writable
+            directory, ``redis_url`` without the ``redis`` extra installed.
     """
     if not isinstance(config, PrefetchConfig):
         raise TypeError(f"config: expected PrefetchConfig, got {type(config).__name__}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
-    arena = Arena(config.slot_bytes, config.arena_slots, backend=config.buffer_backend)
+    _check_machine_memory(config.cpu_bytes)
+    if config.redis_url is not None:
+        try:
+            import redis  # noqa: F401  (only to say which extra is missing)
+        except ImportError:
+            raise ValueError(
+                "redis_url: the Redis tier needs the redis extra: "
+                "python -m pip install 'lmprefetch[redis]'"
+            ) from None
+    try:
+        arena = Arena(config.slot_bytes, config.arena_slots, backend=config.buffer_backend)
+    except (MemoryError, OSError) as exc:
+        raise ValueError(f"cpu_bytes: cannot allocate {config.cpu_bytes} bytes ({exc})") from None
     cpu = CpuTier(arena)
     tiers: list[Tier] = [cpu]
     write_behind: list[Any] = []

@@ -1,17 +1,34 @@
 """The worker-side lookup server: requests in over ZeroMQ, one engine lookup each, answers out.
 
 :func:`serve_lookups` binds a PULL socket for requests and cleanups and connects a PUSH socket to
-the scheduler's answer endpoint.  One task receives (draining every queued message per wake-up);
-each request becomes :meth:`Engine.start_lookup`, whose answer callback queues exactly one
-:class:`~lmprefetch.protocol.LookupResponseMsg`; one task sends the queued answers.  So each
-socket has exactly one task, as :class:`~lmprefetch.transport.TrioZmqSocket` requires.
+the scheduler's answer endpoint.  Each socket has exactly one owning task, as
+:class:`~lmprefetch.transport.TrioZmqSocket` requires (its FD's wake-ups are consumed by
+whoever touches the socket, so a second user can swallow the owner's wake-up):
+
+* the **receive task** owns the request socket.  It drains every queued frame per wake-up; each
+  request becomes :meth:`Engine.start_lookup`, whose answer callback appends exactly one encoded
+  :class:`~lmprefetch.protocol.LookupResponseMsg` to the outbox;
+* the **send task** owns the answer socket.  It sends what the outbox holds, and at the
+  socket's high-water mark waits on the socket (the outbox keeps growing meanwhile; nothing is
+  dropped while the server runs).
+
+Message rules:
 
 * A cleanup cancels that lookup (only if it is not newer than the cleanup's ``seq``).
 * A request for an id that is running cancels the older lookup (the id was reused); a request
   older than the running one (smaller ``seq``) is stale and dropped.
 * A request past its ``deadline_ms`` is answered 0 at once (D16).
-* Bytes that do not decode, and unknown messages, are counted and dropped; a request whose
-  ``hashes`` and ``offsets`` disagree is answered 0 and counted as malformed.
+* A frame that does not decode, for any reason (not msgpack, wrong shape, an integer out of its
+  wire range, nesting deep enough to exhaust the decoder's recursion limit), is counted as
+  malformed and dropped.  A request that decodes but makes no sense (see
+  :func:`~lmprefetch.protocol.validate_request`) is answered 0 and counted as malformed.  So
+  every *accepted* request (decoded, not stale) gets exactly one answer.
+
+Failure: a frame can never stop the server.  If a task fails for any other reason (a bug, a
+broken socket) the error is logged with its traceback, ``on_failure`` is called, and the
+exception leaves :func:`serve_lookups` (trio's nursery rules): the server never lives on deaf.
+:class:`~lmprefetch.runtime.WorkerRuntime` turns that into a failed runtime, and the
+``lmprefetch worker`` command into a non-zero exit.
 """
 
 from __future__ import annotations
@@ -19,13 +36,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import msgspec
 import trio
 
 from . import protocol
+from ._sync import RepeatedEvent
 from .prefetch import Engine
 from .transport import (
     TrioZmqSocket,
@@ -42,6 +60,8 @@ log = logging.getLogger("lmprefetch.server")
 
 _DRAIN_BATCH = 512
 
+FailureCallback = Callable[[BaseException], None]
+
 
 class LookupServer:
     """The running server; see :func:`serve_lookups`."""
@@ -51,12 +71,16 @@ class LookupServer:
         self._requests = requests
         self._answers = answers
         self._outbox: deque[bytes] = deque()
-        self._wake = trio.Event()
+        self._outbox_changed = RepeatedEvent()
+        #: The exception that stopped the server, if one did.
+        self.failure: BaseException | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "requests_received",
+                "requests_accepted",
                 "cleanups_received",
                 "answers_sent",
+                "answers_waited",
                 "answers_dropped",
                 "messages_malformed",
                 "requests_stale",
@@ -65,11 +89,16 @@ class LookupServer:
         )
 
     def stats(self) -> dict[str, int]:
+        """Counters: ``requests_received`` (decoded requests), ``requests_accepted`` (those
+        not stale: each gets exactly one answer), ``requests_stale``, ``cleanups_received``,
+        ``messages_malformed`` (frames dropped, plus requests answered 0 as nonsense),
+        ``answers_sent``, ``answers_waited`` (answers that met the high-water mark and
+        waited), ``answers_dropped`` (left unsent at shutdown) and ``answers_queued`` (now)."""
         out = dict(self.counters)
         out["answers_queued"] = len(self._outbox)
         return out
 
-    # -- receiving --------------------------------------------------------------------
+    # -- receiving (the receive task owns the request socket) ---------------------------
     async def _receive_loop(self) -> None:
         sock = self._requests
         handle = self._handle
@@ -93,19 +122,24 @@ class LookupServer:
         if current is not None and msg.seq and msg.seq < current:
             self.counters["requests_stale"] += 1
             return
+        self.counters["requests_accepted"] += 1
         lookup_id, seq, rank = msg.lookup_id, msg.seq, self.engine.rank
+        outbox, changed = self._outbox, self._outbox_changed
 
         def on_answer(hit_tokens: int) -> None:
-            self._queue(
+            # Called exactly once per accepted request, on the Trio thread.  Every field was
+            # range-checked on the way in, so the answer always encodes.
+            outbox.append(
                 protocol.encode(
                     protocol.LookupResponseMsg(lookup_id, hit_tokens, seq=seq, worker_id=rank)
                 )
             )
+            changed.set()
 
         problem = protocol.validate_request(msg)
         if problem is not None:
             self.counters["messages_malformed"] += 1
-            self.engine.counters["malformed_requests"] += 1
+            self.engine.note_malformed_request()
             log.debug("malformed request %s: %s", lookup_id, problem)
             on_answer(0)
             return
@@ -123,36 +157,39 @@ class LookupServer:
             skip_chunks=msg.skip_chunks,
         )
 
-    # -- sending ----------------------------------------------------------------------
-    def _queue(self, data: bytes) -> None:
-        # With nothing queued, send at once: no task switch on the answer's path.  The sender
-        # task waits on the socket only while the outbox is non-empty, so this never races
-        # it for the socket's edge-triggered FD.
-        if not self._outbox:
-            try:
-                self._answers.send_nowait(data)
-            except trio.WouldBlock:
-                pass
-            else:
-                self.counters["answers_sent"] += 1
-                return
-        self._outbox.append(data)
-        self._wake.set()
-
+    # -- sending (the send task owns the answer socket) ---------------------------------
     async def _send_loop(self) -> None:
         sock = self._answers
         outbox = self._outbox
+        counters = self.counters
+        changed = self._outbox_changed
         while True:
-            if not outbox:
-                self._wake = trio.Event()
-                await self._wake.wait()
-                continue
-            data = outbox.popleft()
-            try:
-                sock.send_nowait(data)
-            except trio.WouldBlock:
-                await sock.send(data)
-            self.counters["answers_sent"] += 1
+            while outbox:
+                data = outbox[0]
+                try:
+                    sock.send_nowait(data)
+                except trio.WouldBlock:
+                    # At the high-water mark: wait on the socket (only this task touches it,
+                    # so no wake-up can be taken from under it).
+                    counters["answers_waited"] += 1
+                    await sock.send(data)
+                outbox.popleft()
+                counters["answers_sent"] += 1
+            # No checkpoint since the outbox was seen empty, so no answer can have been
+            # appended unseen: the next one sets the event after this wait began.
+            await changed.wait()
+
+    async def _supervise(
+        self, name: str, loop: Callable[[], Awaitable[None]], on_failure: FailureCallback | None
+    ) -> None:
+        try:
+            await loop()
+        except Exception as exc:
+            self.failure = exc
+            log.critical("lookup server: the %s task failed; the server stops", name, exc_info=True)
+            if on_failure is not None:
+                on_failure(exc)
+            raise
 
 
 @asynccontextmanager
@@ -162,6 +199,7 @@ async def serve_lookups(
     response_endpoint: str,
     *,
     hwm: int | None = None,
+    on_failure: FailureCallback | None = None,
 ) -> AsyncIterator[LookupServer]:
     """Serve lookups for ``engine`` until the block exits.
 
@@ -170,9 +208,17 @@ async def serve_lookups(
         request_endpoint: bound by this worker; the scheduler's client connects to it.
         response_endpoint: the scheduler's answer endpoint; this worker connects to it.
         hwm: socket high-water mark (default: the engine config's ``socket_hwm``).
+        on_failure: called (on the Trio thread) with the exception if a server task fails;
+            the exception then also leaves this context manager.
+
+    Raises:
+        ValueError: an endpoint is malformed, or the request endpoint is already bound by
+            someone else (the message names it).
+        zmq.ZMQError: another socket error while binding or connecting.
 
     On exit both tasks stop and the sockets and the server's own ZeroMQ context are closed;
-    lookups already started keep running in the engine until it closes.
+    answers still queued are dropped (and counted); lookups already started keep running in
+    the engine until it closes.
     """
     check_endpoint(request_endpoint)
     check_endpoint(response_endpoint)
@@ -180,18 +226,29 @@ async def serve_lookups(
     ctx = open_context()
     sockets: list[TrioZmqSocket] = []
     try:
-        requests = TrioZmqSocket(make_pull(ctx, request_endpoint, bind=True, hwm=hwm))
+        max_bytes = engine.config.max_message_bytes
+        requests = TrioZmqSocket(
+            make_pull(ctx, request_endpoint, bind=True, hwm=hwm, max_message_bytes=max_bytes)
+        )
         sockets.append(requests)
         answers = TrioZmqSocket(make_push(ctx, response_endpoint, bind=False, hwm=hwm))
         sockets.append(answers)
         server = LookupServer(engine, requests, answers)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server._receive_loop, name="lookup-server-recv")
-            nursery.start_soon(server._send_loop, name="lookup-server-send")
+            nursery.start_soon(
+                server._supervise, "receive", server._receive_loop, on_failure,
+                name="lookup-server-recv",
+            )  # fmt: skip
+            nursery.start_soon(
+                server._supervise, "send", server._send_loop, on_failure,
+                name="lookup-server-send",
+            )  # fmt: skip
             try:
                 yield server
             finally:
                 nursery.cancel_scope.cancel()
+                server.counters["answers_dropped"] += len(server._outbox)
+                server._outbox.clear()
     finally:
         for sock in sockets:
             sock.close()

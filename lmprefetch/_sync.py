@@ -1,0 +1,68 @@
+"""Typed wrappers for the trio-util primitives lmprefetch uses.
+
+trio-util (``AsyncValue``, ``RepeatedEvent``) is a well-kept library that covers the "wake the
+task that waits for this state" bookkeeping which is easy to get wrong by hand with one-shot
+``trio.Event`` objects (a new event per wait, a lost wake-up when it is replaced at the wrong
+moment).  It ships no type information, so the few methods used here get typed signatures;
+everything else stays inside this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
+
+import trio_util
+
+__all__ = ["AsyncValue", "RepeatedEvent"]
+
+T = TypeVar("T")
+
+
+class RepeatedEvent:
+    """An event that can be set any number of times (``trio_util.RepeatedEvent``).
+
+    :meth:`events` is the consumer's loop: it yields once at once (with ``repeat_last``) and
+    then once after each :meth:`set` it has not seen yet, coalescing sets that happen while the
+    consumer is busy, so the consumer always sees the latest state and never misses a set.
+    """
+
+    __slots__ = ("_event", "set")
+
+    def __init__(self) -> None:
+        self._event: Any = trio_util.RepeatedEvent()
+        #: Trigger the event (synchronous; wakes every waiter).
+        self.set: Callable[[], None] = self._event.set
+
+    async def wait(self) -> None:
+        """Wait for the next :meth:`set`."""
+        await self._event.wait()
+
+    def events(self, *, repeat_last: bool = False) -> AsyncIterator[None]:
+        """Iterate once per (coalesced) :meth:`set`; see the class docstring."""
+        it: AsyncIterator[None] = self._event.events(repeat_last=repeat_last)
+        return it
+
+
+class AsyncValue(Generic[T]):
+    """A value tasks can wait on (``trio_util.AsyncValue``)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: T) -> None:
+        self._value: Any = trio_util.AsyncValue(value)
+
+    @property
+    def value(self) -> T:
+        v: T = self._value.value
+        return v
+
+    @value.setter
+    def value(self, new: T) -> None:
+        self._value.value = new
+
+    async def wait_value(self, predicate: Callable[[T], bool]) -> T:
+        """Wait until ``predicate(value)`` holds (at once if it holds now); returns the value
+        that satisfied it.  Always a checkpoint."""
+        v: T = await self._value.wait_value(predicate)
+        return v
