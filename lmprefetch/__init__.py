@@ -7,6 +7,8 @@ detail.
 from __future__ import annotations
 
 from .client import LookupClient as LookupClient
+from .client import LookupClientError as LookupClientError
+from .config import ConfigFileError as ConfigFileError
 from .config import PrefetchConfig as PrefetchConfig
 from .hashing import ChunkHasher as ChunkHasher
 from .keys import ChunkKey as ChunkKey
@@ -25,8 +27,10 @@ __all__ = [
     "Buffer",
     "ChunkHasher",
     "ChunkKey",
+    "ConfigFileError",
     "Engine",
     "LookupClient",
+    "LookupClientError",
     "PrefetchConfig",
     "WeightedCapacityLimiter",
     "WorkerRuntime",

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .config import PrefetchConfig
 
@@ -22,34 +23,79 @@ __all__ = ["main"]
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from .runtime import WorkerRuntime
+    """Run one worker rank until SIGTERM/SIGINT (exit 0) or until it fails (exit 1)."""
+    import zmq
 
+    from .runtime import WorkerRuntime
+    from .transport import check_endpoint
+
+    if args.world_size < 1:
+        raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(
+            f"--rank: must be between 0 and --world-size minus 1 ({args.world_size - 1}), "
+            f"got {args.rank}"
+        )
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port: must be 0 … 65535, got {args.metrics_port}")
+    for option, url in (
+        ("--request-endpoint", args.request_endpoint),
+        ("--response-endpoint", args.response_endpoint),
+    ):
+        try:
+            check_endpoint(url)
+        except ValueError as exc:
+            raise ValueError(f"{option}: {exc}") from None
     config = PrefetchConfig.from_file(args.config) if args.config else PrefetchConfig.from_env()
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
 
+    def on_failure(_exc: BaseException) -> None:
+        stop.set()  # the traceback is logged already; main() below exits non-zero
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    runtime = WorkerRuntime.start(
-        config,
-        rank=args.rank,
-        world_size=args.world_size,
-        request_endpoint=args.request_endpoint,
-        response_endpoint=args.response_endpoint,
-        metrics_port=args.metrics_port,
-    )
+    try:
+        runtime = WorkerRuntime.start(
+            config,
+            rank=args.rank,
+            world_size=args.world_size,
+            request_endpoint=args.request_endpoint,
+            response_endpoint=args.response_endpoint,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            on_failure=on_failure,
+        )
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise ValueError(
+                f"--request-endpoint: {args.request_endpoint} is already in use "
+                "(another worker bound it?)"
+            ) from None
+        raise ValueError(
+            f"--request-endpoint {args.request_endpoint} / --response-endpoint "
+            f"{args.response_endpoint}: cannot open the lookup sockets ({exc})"
+        ) from None
+    except OSError as exc:  # the metrics server's bind
+        raise ValueError(
+            f"--metrics-port: cannot serve metrics on {args.metrics_host}:{args.metrics_port} "
+            f"({exc.strerror or exc})"
+        ) from None
     try:
         msg = (
             f"lmprefetch worker rank {args.rank}/{args.world_size} serving {args.request_endpoint}"
         )
         if runtime.metrics_port is not None:
-            msg += f", metrics on 127.0.0.1:{runtime.metrics_port}"
+            msg += f", metrics on {args.metrics_host}:{runtime.metrics_port}"
         print(msg, flush=True)
         stop.wait()
     finally:
         runtime.close()
+    if runtime.failure is not None:
+        print(f"lmprefetch worker: stopped by a failure: {runtime.failure!r}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -65,20 +111,39 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return bench_engine.main(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (naming the option) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from . import __version__
+
+    parser = _Parser(
         prog="lmprefetch", description="Asynchronous KV-cache lookup and prefetch, on Trio."
     )
+    parser.add_argument("--version", action="version", version=f"lmprefetch {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     w = sub.add_parser("worker", help="run a worker process serving lookups for one rank")
-    w.add_argument("--rank", type=int, default=0)
-    w.add_argument("--world-size", type=int, default=1)
+    w.add_argument("--rank", type=int, default=0, help="this worker's rank (default: 0)")
+    w.add_argument(
+        "--world-size", type=int, default=1, help="number of worker ranks (default: 1)"
+    )
     w.add_argument("--request-endpoint", required=True, help="bound here, e.g. ipc://@w0")
     w.add_argument("--response-endpoint", required=True, help="the scheduler's answer endpoint")
     w.add_argument("--config", help="TOML file with PrefetchConfig fields (else LMPREFETCH_* env)")
-    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    w.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free)"
+    )
+    w.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics server binds (default: 127.0.0.1; 0.0.0.0 for all)",
+    )
     w.set_defaults(func=_worker)
 
     from .bench import add_arguments

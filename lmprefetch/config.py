@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["HASH_ALGORITHMS", "KV_DTYPES", "PrefetchConfig"]
+__all__ = ["HASH_ALGORITHMS", "KV_DTYPES", "ConfigFileError", "PrefetchConfig"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -44,6 +44,18 @@ KV_DTYPES = (
     "uint8",
 )
 _BUFFER_BACKENDS = ("bytes", "torch")
+
+
+class ConfigFileError(OSError, ValueError):
+    """A config file that does not exist, is a directory or cannot be read.
+
+    An ``OSError`` (with ``errno``) for what it is, and a ``ValueError`` like every other bad
+    configuration, so one ``except ValueError`` handles every start-up mistake.  Its message
+    names the file and the problem.
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -116,6 +128,10 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # -- transport --------------------------------------------------------------------
     #: ZeroMQ high-water mark (messages) on every lookup socket.
     socket_hwm: int = 10_000
+    #: Largest lookup message a worker or client accepts; a peer that sends a larger frame
+    #: is disconnected.  A request costs about 12 bytes per chunk, so the default holds a
+    #: prompt of over 300 million tokens at the default chunk size.
+    max_message_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -150,10 +166,20 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """Load a TOML file: top-level fields, or a ``[lmprefetch]`` table.
 
         Raises:
-            ValueError: the file is not valid TOML or holds an invalid field.
-            OSError: the file cannot be read.
+            ValueError: the file is not valid TOML or holds an invalid field (the message names
+                the file or the field), or it cannot be read: then it is a
+                :class:`ConfigFileError`, both an ``OSError`` and a ``ValueError``.
         """
-        raw = Path(path).read_bytes()
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                what = "config file not found"
+            elif isinstance(exc, IsADirectoryError):
+                what = "is a directory, not a config file"
+            else:
+                what = f"cannot read the config file ({exc.strerror})"
+            raise ConfigFileError(exc.errno or 0, f"{path}: {what}") from None
         try:
             doc = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -171,8 +197,20 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
         ``LMPREFETCH_CONFIG`` names a TOML file read first; single variables override it.
         An empty value for an optional field (``disk_path``, ``redis_url``) means ``None``.
+
+        Raises:
+            ValueError: a variable with the prefix names no field (a typo must not be
+                ignored silently), or a value is invalid; the message names it.
         """
         env = os.environ if environ is None else environ
+        known = {prefix + name.upper() for name in cls.__struct_fields__} | {prefix + "CONFIG"}
+        for var in sorted(env):
+            if var.startswith(prefix) and var not in known:
+                raise ValueError(
+                    f"{var}: unknown variable: no PrefetchConfig field is called "
+                    f"{var[len(prefix):].lower()!r} (known: {prefix}CONFIG and "
+                    f"{prefix}<FIELD> for the fields {sorted(cls.__struct_fields__)})"
+                )
         base: dict[str, Any] = {}
         config_file = env.get(prefix + "CONFIG")
         if config_file:
@@ -233,6 +271,26 @@ def _check_type(
         )
 
 
+#: Upper bounds of the integer fields: far beyond any real deployment, low enough that a typo
+#: (an extra digit or ten) is an error naming the field instead of a failed allocation.
+_INT_MAX = {
+    "chunk_size": 1 << 20,
+    "num_layers": 4096,
+    "cpu_bytes": 1 << 48,  # 256 TiB
+    "chunk_bytes": 1 << 32,  # 4 GiB
+    "disk_bytes": 1 << 56,  # 64 PiB
+    "disk_read_threads": 1024,
+    "disk_write_queue": 1 << 24,
+    "redis_write_queue": 1 << 24,
+    "redis_threads": 1024,
+    "socket_hwm": (1 << 31) - 1,  # a C int in libzmq
+    "max_message_bytes": 1 << 30,
+}
+#: The longest duration any ``*_s`` field may have (a year): past it a typo is more likely
+#: than intent, and deadlines stay well inside every clock's range.
+_SECONDS_MAX = 365 * 24 * 3600.0
+
+
 def _validate(c: PrefetchConfig) -> None:
     ints = (
         "chunk_size",
@@ -245,9 +303,13 @@ def _validate(c: PrefetchConfig) -> None:
         "redis_write_queue",
         "redis_threads",
         "socket_hwm",
+        "max_message_bytes",
     )
     for name in ints:
         _check_type(name, getattr(c, name), (int,))
+        value = getattr(c, name)
+        if value > _INT_MAX[name]:
+            raise ValueError(f"{name}: must be at most {_INT_MAX[name]}, got {value}")
     for name in (
         "lookup_timeout_s",
         "claim_ttl_s",
@@ -258,8 +320,11 @@ def _validate(c: PrefetchConfig) -> None:
     ):
         _check_type(name, getattr(c, name), (float, int))
         value = getattr(c, name)
-        if not value > 0 or value != value or value == float("inf"):
-            raise ValueError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+        if not 0 < value <= _SECONDS_MAX:  # also rejects NaN and infinity
+            raise ValueError(
+                f"{name}: must be a positive number of seconds, at most {_SECONDS_MAX:.0f}, "
+                f"got {value!r}"
+            )
     for name in ("save_partial_chunks", "layerwise", "disk_o_direct"):
         _check_type(name, getattr(c, name), (bool,))
     for name in ("hash_algorithm", "model_name", "kv_dtype", "buffer_backend"):
@@ -310,6 +375,8 @@ def _validate(c: PrefetchConfig) -> None:
     ):
         if getattr(c, name) < 1:
             raise ValueError(f"{name}: must be at least 1, got {getattr(c, name)}")
+    if c.max_message_bytes < 1024:
+        raise ValueError(f"max_message_bytes: must be at least 1024, got {c.max_message_bytes}")
     if c.redis_backoff_max_s < c.redis_backoff_initial_s:
         raise ValueError(
             f"redis_backoff_max_s: must be at least redis_backoff_initial_s "

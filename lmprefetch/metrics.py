@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["LATENCY_BUCKETS_S", "WorkerMetrics", "start_metrics_server"]
+__all__ = ["LATENCY_BUCKETS_S", "MetricsServer", "WorkerMetrics", "start_metrics_server"]
 
 #: Lookup latency buckets, from 20 µs (a CPU hit) to 5 s (past any sane timeout).
 LATENCY_BUCKETS_S = (
@@ -126,18 +126,41 @@ class WorkerMetrics:
         self.latency.observe(seconds)
 
 
-def start_metrics_server(runtime: Any, port: int, addr: str = "127.0.0.1") -> int:
+class MetricsServer:
+    """A running metrics endpoint (see :func:`start_metrics_server`); :meth:`close` stops it."""
+
+    def __init__(self, metrics: WorkerMetrics, http: Any) -> None:
+        self.metrics = metrics
+        self._http = http
+        #: The port actually bound.
+        self.port = int(http.server_port)
+
+    def close(self) -> None:
+        """Stop serving and close the listening socket (idempotent)."""
+        http, self._http = self._http, None
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+
+
+def start_metrics_server(runtime: Any, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``runtime``'s metrics over HTTP on ``addr:port`` (0 = any free port).
 
-    Returns:
-        The port actually bound.
+    Args:
+        runtime: a :class:`~lmprefetch.runtime.WorkerRuntime` (its ``stats`` and ``call``).
+        port: the TCP port, 0 … 65535.
+        addr: the address to bind (loopback by default).
+
+    Raises:
+        ValueError: ``port`` is out of range.
+        OSError: the address cannot be bound (e.g. the port is in use).
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics port: must be 0 … 65535, got {port!r}")
     metrics = WorkerMetrics(runtime.stats)
     runtime.call(_install_hook, runtime.engine, metrics)
-    runtime.metrics = metrics
-    server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
-    runtime._metrics_server = server
-    return int(server.server_port)
+    http, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+    return MetricsServer(metrics, http)
 
 
 def _install_hook(engine: Any, metrics: WorkerMetrics) -> None:

@@ -14,42 +14,69 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import trio
+from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import PrefetchConfig
 from .keys import ChunkKey
 from .memory import Buffer
 from .prefetch import Engine, open_engine
+from .server import LookupServer, serve_lookups
+
+if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
+    from exceptiongroup import BaseExceptionGroup
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
 
 __all__ = ["WorkerRuntime"]
 
 log = logging.getLogger("lmprefetch.runtime")
 
 
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The only leaf exception of ``group`` (nested groups of one), else the group itself."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class WorkerRuntime:
     """One worker rank's engine (and lookup server) on a background Trio loop.
 
     Create it with :meth:`start`; every method is thread-safe.
+
+    Failure is never silent: if the engine or the lookup server fails while running (a bug, a
+    broken socket), the error is logged with its traceback, :attr:`failure` is set, the
+    ``on_failure`` callback given to :meth:`start` is called, and every later method except
+    :meth:`close` raises :class:`RuntimeError` naming the failure.
     """
 
     def __init__(self) -> None:  # use WorkerRuntime.start(...)
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
-        self._engine_cm: AbstractContextManager[Engine] | None = None
-        self._server_cm: AbstractContextManager[Any] | None = None
+        self._task: concurrent.futures.Future[None] | None = None
+        self._stop: trio.Event | None = None
         self._engine: Engine | None = None
-        self._server: Any = None
+        self._server: LookupServer | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = False
+        self._on_failure: Callable[[BaseException], None] | None = None
+        #: Why the engine or the lookup server stopped on its own, if it did.
+        self.failure: BaseException | None = None
         self.config: PrefetchConfig | None = None
         self.metrics: Any = None  # WorkerMetrics, when serving metrics
         self.metrics_port: int | None = None
-        self._metrics_server: Any = None
+        self._metrics_server: MetricsServer | None = None
 
     @classmethod
     def start(
@@ -61,6 +88,8 @@ class WorkerRuntime:
         request_endpoint: str | None = None,
         response_endpoint: str | None = None,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> WorkerRuntime:
         """Start the loop thread, open the engine, and serve lookups if endpoints are given.
 
@@ -71,39 +100,90 @@ class WorkerRuntime:
             request_endpoint: where this worker binds its request PULL socket.
             response_endpoint: the scheduler's answer endpoint this worker connects to.
             metrics_port: serve Prometheus metrics on this port (0 = any free port).
+            metrics_host: the address the metrics server binds (loopback by default; use
+                ``0.0.0.0`` for a Prometheus on another host).
+            on_failure: called once, from the runtime's thread, if the engine or the lookup
+                server fails after start-up (the CLI worker exits non-zero on it).
 
         Raises:
-            ValueError: bad arguments (the thread is stopped again).
+            ValueError: bad arguments or configuration (the thread is stopped again).
+            zmq.ZMQError: an endpoint cannot be bound or connected (e.g. already in use).
+            OSError: the metrics port cannot be bound.
         """
         if (request_endpoint is None) != (response_endpoint is None):
             raise ValueError("request_endpoint and response_endpoint go together")
         self = cls()
         self.config = config
+        self._on_failure = on_failure
         self._portal_cm = start_blocking_portal(backend="trio")
         self._portal = self._portal_cm.__enter__()
         try:
-            self._engine_cm = self._portal.wrap_async_context_manager(
-                open_engine(config, rank=rank, world_size=world_size)
-            )
-            self._engine = self._engine_cm.__enter__()
-            if request_endpoint is not None and response_endpoint is not None:
-                from .server import serve_lookups
-
-                self._server_cm = self._portal.wrap_async_context_manager(
-                    serve_lookups(self._engine, request_endpoint, response_endpoint)
-                )
-                self._server = self._server_cm.__enter__()
+            try:
+                self._task, (self._engine, self._server) = self._portal.start_task(
+                    self._main, config, rank, world_size, request_endpoint, response_endpoint,
+                    name="lmprefetch-worker",
+                )  # fmt: skip
+            except BaseExceptionGroup as group:
+                # Start-up errors come out of the engine's nursery wrapped in a group; the
+                # caller wants the one error (a ValueError naming a setting, a bind error).
+                raise _single(group) from None
+            self._task.add_done_callback(self._task_done)
             if metrics_port is not None:
                 from .metrics import start_metrics_server
 
-                self.metrics_port = start_metrics_server(self, metrics_port)
+                self._metrics_server = start_metrics_server(self, metrics_port, metrics_host)
+                self.metrics = self._metrics_server.metrics
+                self.metrics_port = self._metrics_server.port
         except BaseException:
             self.close()
             raise
         return self
 
+    async def _main(
+        self,
+        config: PrefetchConfig,
+        rank: int,
+        world_size: int,
+        request_endpoint: str | None,
+        response_endpoint: str | None,
+        *,
+        task_status: TaskStatus[tuple[Engine, LookupServer | None]],
+    ) -> None:
+        """The runtime's one task: the engine (and server) live until :meth:`close`."""
+        self._stop = trio.Event()
+        async with open_engine(config, rank=rank, world_size=world_size) as engine:
+            if request_endpoint is None or response_endpoint is None:
+                task_status.started((engine, None))
+                await self._stop.wait()
+                return
+            async with serve_lookups(
+                engine, request_endpoint, response_endpoint, on_failure=self._failed
+            ) as server:
+                task_status.started((engine, server))
+                await self._stop.wait()
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.failure is not None or self._closing:
+                return
+            self.failure = exc
+        log.critical("lmprefetch worker runtime failed: %r", exc)
+        if self._on_failure is not None:
+            self._on_failure(exc)
+
+    def _task_done(self, task: concurrent.futures.Future[None]) -> None:
+        # The task ends on its own only when something failed (close() sets _closing first).
+        if self._closing:
+            return
+        exc = None if task.cancelled() else task.exception()
+        self._failed(exc if exc is not None else RuntimeError("the engine stopped by itself"))
+
     # -- helpers ----------------------------------------------------------------------
     def _running(self) -> tuple[BlockingPortal, Engine]:
+        if self.failure is not None:
+            raise RuntimeError(f"the lmprefetch worker runtime failed: {self.failure!r}") from (
+                self.failure
+            )
         if self._closed or self._portal is None or self._engine is None:
             raise RuntimeError("WorkerRuntime is closed")
         return self._portal, self._engine
@@ -205,27 +285,37 @@ class WorkerRuntime:
     def close(self) -> None:
         """Cancel every lookup, release everything, flush writes, stop and join the thread.
 
-        Idempotent; safe to call from any thread except the runtime's own.
+        Idempotent; safe to call from any thread except the runtime's own, also after a
+        failure (which was reported when it happened and is not raised again here).
         """
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self._closing = True
         errors: list[BaseException] = []
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            self._metrics_server.close()
             self._metrics_server = None
-        for cm in (self._server_cm, self._engine_cm, self._portal_cm):
-            if cm is None:
-                continue
+        portal, task, stop = self._portal, self._task, self._stop
+        if portal is not None and task is not None and stop is not None:
+            if not task.done():
+                try:
+                    portal.call(stop.set)
+                except Exception as exc:  # the loop is gone already: report below
+                    errors.append(exc)
             try:
-                cm.__exit__(None, None, None)
-            except Exception as exc:  # keep closing the rest, then re-raise
+                task.result()
+            except BaseException as exc:
+                if exc is not self.failure:  # a failure is reported once, when it happens
+                    errors.append(exc)
+        if self._portal_cm is not None:
+            try:
+                self._portal_cm.__exit__(None, None, None)
+            except Exception as exc:
                 errors.append(exc)
-        self._server_cm = self._engine_cm = self._portal_cm = None
-        self._server = self._engine = self._portal = None
-        if errors:
+        self._portal_cm = self._portal = self._task = self._stop = None
+        self._server = self._engine = None
+        if errors and self.failure is None:
             raise errors[0]
 
     def __enter__(self) -> WorkerRuntime:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -19,6 +19,7 @@ class FakeTier(BaseTier):
     * ``load_gate``: a ``trio.Event`` each chunk read waits on (to hold a load in flight).
     * ``drop_before_load``: keys deleted after the probe, before the load reads them.
     * ``chunk_delay_s``: ``trio.sleep`` before each chunk (use with ``autojump_clock``).
+    * ``on_load_done``: called synchronously just before ``load`` returns its count.
     """
 
     def __init__(self, name: str = "fake") -> None:
@@ -32,6 +33,7 @@ class FakeTier(BaseTier):
         self.load_gate: trio.Event | None = None
         self.drop_before_load: set[ChunkKey] = set()
         self.chunk_delay_s = 0.0
+        self.on_load_done: Callable[[], None] | None = None
         self.loads_started = 0
         self.chunks_read = 0
         self.max_concurrent_loads = 0
@@ -73,6 +75,8 @@ class FakeTier(BaseTier):
                 self.chunks_read += 1
                 n += 1
             self.stats.chunks_loaded += n
+            if self.on_load_done is not None:
+                self.on_load_done()
             return n
         finally:
             self._loading -= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,46 @@ def test_replace_validates() -> None:
     assert c.replace(chunk_size=8).chunk_size == 8
     with pytest.raises(ValueError, match="^chunk_size: "):
         c.replace(chunk_size=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cpu_bytes", 99999999999999999999),
+        ("chunk_size", 1 << 40),
+        ("disk_bytes", 1 << 70),
+        ("socket_hwm", 1 << 31),
+        ("max_message_bytes", 1 << 31),
+        ("disk_read_threads", 100_000),
+        ("lookup_timeout_s", 1e12),
+        ("claim_ttl_s", float("inf")),
+        ("tier_timeout_s", float("nan")),
+    ],
+)
+def test_values_beyond_sane_bounds_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        PrefetchConfig(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        PrefetchConfig.from_dict({field: str(value)})
+
+
+def test_unknown_environment_variables_are_rejected_like_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="^LMPREFETCH_CHUNKSIZE: unknown variable"):
+        PrefetchConfig.from_env({"LMPREFETCH_CHUNKSIZE": "16"})
+    # Other prefixes are none of our business; a known name still works.
+    cfg = PrefetchConfig.from_env({"LMPREFETCHER_X": "1", "LMPREFETCH_CHUNK_SIZE": "16"})
+    assert cfg.chunk_size == 16
+
+
+def test_config_file_that_cannot_be_read_is_a_value_error_and_an_os_error(
+    tmp_path: Path,
+) -> None:
+    from lmprefetch.config import ConfigFileError
+
+    missing = tmp_path / "missing.toml"
+    with pytest.raises(ConfigFileError, match="missing.toml: config file not found") as caught:
+        PrefetchConfig.from_file(missing)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, OSError)
+    assert caught.value.errno == errno.ENOENT
+    with pytest.raises(ValueError, match="is a directory"):
+        PrefetchConfig.from_file(tmp_path)

@@ -30,7 +30,10 @@ def offsets(n: int) -> list[int]:
     return [CHUNK] * n
 
 
-def assert_conserved(engine: Engine) -> None:
+def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
+    """The conservation invariant (nothing in flight or held, no pin, no limiter weight, no
+    arena byte outside the CPU tier), and, unless the test injected ``faults``, no failed
+    lookup and no tier error: a bug in lmprefetch must never pass as a miss."""
     s = engine.stats()
     assert s["inflight_lookups"] == 0
     assert s["held_lookups"] == 0
@@ -39,6 +42,10 @@ def assert_conserved(engine: Engine) -> None:
     assert s["arena_used_bytes"] == s["cpu_resident_bytes"]
     for tier in engine.tiers:
         assert tier.pinned_count() == 0, tier.name
+    if not faults:
+        assert s["lookups_failed"] == 0, "a lookup failed: see the logged traceback"
+        for name, tier_stats in s["tiers"].items():
+            assert tier_stats["errors"] == 0, f"tier {name} reported errors"
 
 
 @asynccontextmanager
@@ -342,7 +349,8 @@ async def test_d05_failing_tier_answers_prefix_before_it_at_once(
         with engine.claim("f") as chunks:
             assert [bytes(b.view()) for _, b in chunks] == data[:2]
         await engine.wait_quiet()
-        assert_conserved(engine)
+        assert_conserved(engine, faults=True)
+        assert engine.stats()["lookups_failed"] == 0  # a tier's failure is not the engine's
         broken.load_error = None
         broken.probe_error = RuntimeError("probe broke")
         assert await engine.lookup_and_prefetch("g", hashes, offsets(5)) == 8
@@ -370,7 +378,9 @@ async def test_d05_hanging_tier_is_bounded_by_tier_timeout(
         engine.cancel("h")
         engine.cancel("h2")
         await engine.wait_quiet()
-        assert_conserved(engine)
+        assert_conserved(engine, faults=True)
+        assert engine.stats()["lookups_failed"] == 0
+        assert hung.stats.errors == 2
 
 
 async def test_d09_concurrent_prefetches_overlap(

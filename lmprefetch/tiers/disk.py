@@ -56,6 +56,7 @@ import logging
 import mmap
 import os
 import struct
+import tempfile
 import threading
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
@@ -699,8 +700,13 @@ async def open_disk_tier(
 # -- file operations (worker threads only) ---------------------------------------------------
 def _scan_dir(path: str) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
     """Create ``path`` if needed; ``([(mtime_ns, key, file_bytes)], foreign, stale_temps)``.
-    Temporary files of interrupted writes are deleted."""
-    os.makedirs(path, exist_ok=True)
+    Temporary files of interrupted writes are deleted.
+
+    Raises:
+        ValueError: ``path`` cannot be created, is not a directory, or is not writable (the
+            message starts with ``disk_path``, the setting to fix).
+    """
+    _check_writable_dir(path)
     found: list[tuple[int, ChunkKey, int]] = []
     foreign = stale = 0
     with os.scandir(path) as entries:
@@ -720,6 +726,25 @@ def _scan_dir(path: str) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
                 continue
             found.append((st.st_mtime_ns, key, st.st_size))
     return found, foreign, stale
+
+
+def _check_writable_dir(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"disk_path: {path!r} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"disk_path: cannot create the directory {path!r} ({exc.strerror})"
+        ) from None
+    # Permission bits say little (root ignores them; a read-only mount ignores them the other
+    # way), so write a probe file, the way the tier itself will write.
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, suffix=TEMP_SUFFIX)
+    except OSError as exc:
+        raise ValueError(f"disk_path: {path!r} is not writable ({exc.strerror})") from None
+    os.close(fd)
+    _unlink_quiet(probe)
 
 
 def _parse_name(name: str) -> ChunkKey | None:

@@ -1,0 +1,189 @@
+"""Start-up errors of ``lmprefetch worker``: one line naming the problem, exit code 2.
+
+Every case runs the real command in a subprocess and checks what an operator sees: exactly one
+line on stderr, naming the option or setting to fix, no traceback, exit status 2.  The worker
+must fail before it serves anything, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+CLI = [sys.executable, "-m", "lmprefetch"]
+TIMEOUT_S = 60
+
+
+def ipc() -> str:
+    return f"ipc://@lmp-startup-{uuid.uuid4().hex[:12]}"
+
+
+def worker_args(*extra: str) -> list[str]:
+    return ["worker", "--request-endpoint", ipc(), "--response-endpoint", ipc(), *extra]
+
+
+def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_one_line_exit_2(out: subprocess.CompletedProcess[str], *names: str) -> None:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    assert out.stdout == ""  # it never said it was serving
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Callable[[str], str]:
+    def write(text: str) -> str:
+        path = tmp_path / f"{uuid.uuid4().hex[:8]}.toml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+@pytest.fixture
+def busy_tcp_port() -> Iterator[int]:
+    """A loopback TCP port this test holds open (so binding it fails)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    assert_one_line_exit_2(run(worker_args("--config", missing)), missing, "not found")
+
+
+def test_directory_given_as_config(tmp_path: Path) -> None:
+    assert_one_line_exit_2(run(worker_args("--config", str(tmp_path))), "directory")
+
+
+def test_config_file_that_is_not_toml(toml: Callable[[str], str]) -> None:
+    path = toml("chunk_size = = 3\n")
+    assert_one_line_exit_2(run(worker_args("--config", path)), path, "TOML")
+
+
+def test_disk_path_that_is_a_file(tmp_path: Path, toml: Callable[[str], str]) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    path = toml(f'disk_path = "{a_file}"\nchunk_bytes = 4096\ncpu_bytes = 65536\n')
+    assert_one_line_exit_2(run(worker_args("--config", path)), "disk_path", "not a directory")
+
+
+@pytest.mark.parametrize(
+    ("disk_path", "problem"),
+    [("/proc", "not writable"), ("/proc/lmprefetch-cannot-exist", "cannot create")],
+)
+def test_disk_path_that_cannot_be_written(
+    disk_path: str, problem: str, toml: Callable[[str], str]
+) -> None:
+    # /proc refuses new files and directories even to root, who ignores permission bits.
+    path = toml(f'disk_path = "{disk_path}"\nchunk_bytes = 4096\ncpu_bytes = 65536\n')
+    assert_one_line_exit_2(run(worker_args("--config", path)), "disk_path", problem)
+
+
+def test_metrics_port_out_of_range() -> None:
+    assert_one_line_exit_2(run(worker_args("--metrics-port", "70000")), "--metrics-port")
+
+
+def test_metrics_port_in_use(busy_tcp_port: int) -> None:
+    out = run(worker_args("--metrics-port", str(busy_tcp_port)))
+    assert_one_line_exit_2(out, "--metrics-port", str(busy_tcp_port), "in use")
+
+
+def test_request_endpoint_already_bound() -> None:
+    endpoint = ipc()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    holder = ctx.socket(zmq.PULL)
+    holder.linger = 0
+    holder.bind(endpoint)
+    try:
+        out = run(["worker", "--request-endpoint", endpoint, "--response-endpoint", ipc()])
+    finally:
+        holder.close()
+        ctx.term()
+    assert_one_line_exit_2(out, "--request-endpoint", endpoint, "in use")
+
+
+def test_bad_endpoint_names_the_option() -> None:
+    out = run(["worker", "--request-endpoint", "http://x", "--response-endpoint", ipc()])
+    assert_one_line_exit_2(out, "--request-endpoint", "http://x")
+
+
+def test_redis_url_without_the_redis_extra(tmp_path: Path, toml: Callable[[str], str]) -> None:
+    """Simulate an install without redis-py: the import fails, the message names the extra."""
+    path = toml('redis_url = "redis://127.0.0.1:1"\n')
+    script = tmp_path / "no_redis.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['redis'] = None  # as if the redis extra were not installed\n"
+        "from lmprefetch.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), *worker_args("--config", path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert_one_line_exit_2(out, "redis_url", "lmprefetch[redis]")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cpu_bytes", "99999999999999999999"),
+        ("cpu_bytes", str(1 << 47)),  # valid in general, more than this machine has
+        ("chunk_size", str(1 << 40)),
+        ("socket_hwm", str(1 << 40)),
+        ("claim_ttl_s", "inf"),
+    ],
+)
+def test_sizes_too_large_name_the_field(field: str, value: str, toml: Callable[[str], str]) -> None:
+    path = toml(f"{field} = {value}\n")
+    assert_one_line_exit_2(run(worker_args("--config", path)), field)
+
+
+def test_unknown_environment_variable_is_rejected() -> None:
+    out = run(worker_args(), env={"LMPREFETCH_CHUNK_SIZ": "16"})
+    assert_one_line_exit_2(out, "LMPREFETCH_CHUNK_SIZ")
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (["--world-size", "0"], "--world-size"),
+        (["--world-size", "2", "--rank", "2"], "--rank"),
+        (["--rank", "-1"], "--rank"),
+        (["--rank", "x"], "--rank"),
+        (["--metrics-port", "many"], "--metrics-port"),
+    ],
+)
+def test_bad_options_name_the_option(args: list[str], name: str) -> None:
+    assert_one_line_exit_2(run(worker_args(*args)), name)
+
+
+def test_missing_required_options() -> None:
+    assert_one_line_exit_2(run(["worker"]), "--request-endpoint")
