@@ -32,16 +32,17 @@ import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import trio
 
+from ._sync import AsyncValue
 from .config import PrefetchConfig
 from .hashing import ChunkHasher
 from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
 from .memory import Arena, Buffer
-from .tiers.base import Tier
+from .tiers.base import Tier, WriteBehindTier, ZeroCopyTier
 from .tiers.cpu import CpuTier
 
 __all__ = ["Engine", "LookupState", "open_engine"]
@@ -97,7 +98,29 @@ class _Part:
 
 
 class _Lookup:
-    """The state of one lookup, shared between its task and ``claim``/``cancel``."""
+    """One lookup's record, shared between its task and ``claim``/``cancel``: its state, the
+    buffers it owns, and every ownership transition.
+
+    Only the methods below change :attr:`state` or :attr:`loaded`:
+
+    =========  ========================================  =========  ==========================
+    from       event                                     to         the loaded buffers
+    =========  ========================================  =========  ==========================
+    LOADING    answered with chunks (:meth:`hold`)       HELD       owned by this record
+    LOADING    answered 0, failed, or cancelled:          DONE       none (the loads' buffers
+               the task ends (:meth:`release`)                      are released by the task)
+    HELD       :meth:`claim`                             CLAIMED    move to the claimer, who
+                                                                    releases each on leaving
+                                                                    its claim block
+    HELD       :meth:`release` (cancel, cleanup, the     DONE       released at once,
+               id reused, ``claim_ttl_s``, close)                   synchronously
+    CLAIMED    the task ends (:meth:`release`)           CLAIMED    (the claimer's)
+    DONE       anything                                  DONE       (none)
+    =========  ========================================  =========  ==========================
+
+    A lookup answered without a task (a full CPU hit, ``has_task`` False) is born HELD; the
+    engine's expiry task plays the task's part for its ``claim_ttl_s``.
+    """
 
     __slots__ = (
         "_on_answer",
@@ -119,10 +142,18 @@ class _Lookup:
         self.deadline = deadline
         self.scope = trio.CancelScope()
         self.state = LookupState.LOADING
-        self.loaded: list[tuple[ChunkKey, Buffer]] = []  # owned until claimed or released
+        #: ``(key, buffer)`` pairs this record owns: filled synchronously right before
+        #: :meth:`hold` (no checkpoint between), emptied by :meth:`claim` or :meth:`release`.
+        self.loaded: list[tuple[ChunkKey, Buffer]] = []
         self.answer: int | None = None
         self.has_task = True  # False: answered synchronously; the expiry task ends its hold
         self._on_answer = on_answer
+
+    def __repr__(self) -> str:
+        return (
+            f"<lookup {self.lookup_id!r} seq={self.seq} {self.state.value} "
+            f"answer={self.answer} chunks_held={len(self.loaded)}>"
+        )
 
     def give_answer(self, hit_tokens: int) -> bool:
         """Answer exactly once; ``False`` if the answer callback raised (it is logged)."""
@@ -131,10 +162,27 @@ class _Lookup:
         self.answer = hit_tokens
         return _call_back(self._on_answer, hit_tokens, self.lookup_id)
 
-    def release_loaded(self) -> None:
+    def hold(self) -> None:
+        """LOADING → HELD: keep :attr:`loaded` for a claim."""
+        assert self.state is LookupState.LOADING and self.loaded
+        self.state = LookupState.HELD
+
+    def claim(self) -> list[tuple[ChunkKey, Buffer]]:
+        """HELD → CLAIMED: move the held pairs to the caller (empty in any other state)."""
+        if self.state is not LookupState.HELD:
+            return []
+        items, self.loaded = self.loaded, []
+        self.state = LookupState.CLAIMED
+        return items
+
+    def release(self) -> None:
+        """Release every buffer this record owns, at once (synchronous, idempotent); the
+        lookup is DONE unless it was claimed."""
         loaded, self.loaded = self.loaded, []
         for _, buf in loaded:
             buf.release()
+        if self.state is not LookupState.CLAIMED:
+            self.state = LookupState.DONE
 
 
 def _call_back(on_answer: AnswerCallback, hit_tokens: int, lookup_id: str) -> bool:
@@ -163,7 +211,6 @@ class Engine:
         arena: Arena,
         cpu: CpuTier,
         tiers: Sequence[Tier],
-        write_behind: Sequence[Any],
     ) -> None:
         self.config = config
         self.rank = rank
@@ -182,15 +229,21 @@ class Engine:
         self.arena = arena
         self.cpu = cpu
         self.tiers: tuple[Tier, ...] = tuple(tiers)
-        self._write_behind = tuple(write_behind)
+        # What each tier can do, decided once: zero-copy hits are taken synchronously
+        # (references on cached buffers); write-behind tiers get a copy of every store.
+        self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
+            (t, isinstance(t, ZeroCopyTier)) for t in self.tiers
+        )
+        self._write_behind: tuple[WriteBehindTier, ...] = tuple(
+            t for t in self.tiers if isinstance(t, WriteBehindTier)
+        )
         self._kpc = config.keys_per_chunk
         # Half the arena in chunks: equal-size chunks cannot fragment more than 50 %.
         self.limiter = WeightedCapacityLimiter(max(1, arena.num_slots // self._kpc // 2))
         self._nursery = nursery
         self._lookups: dict[str, _Lookup] = {}  # the current lookup of each id
         self._live: set[_Lookup] = set()  # every lookup whose task has not ended
-        self._quiet = trio.Event()  # set while no lookup task is alive
-        self._quiet.set()
+        self._tasks_alive = AsyncValue(0)  # len(self._live), for wait_quiet()
         # Results answered without a task (full CPU hits): (expiry time, tie-break, record).
         self._expiries: list[tuple[float, int, _Lookup]] = []
         self._expiry_scope = trio.CancelScope()
@@ -287,8 +340,7 @@ class Engine:
         rec = _Lookup(lookup_id, seq, deadline, on_answer)
         self._lookups[lookup_id] = rec
         self._live.add(rec)
-        if self._quiet.is_set():
-            self._quiet = trio.Event()
+        self._tasks_alive.value = len(self._live)
         self._nursery.start_soon(
             self._run_lookup, rec, keys, cum, skip_chunks, started, name=f"lookup:{lookup_id}"
         )
@@ -337,7 +389,7 @@ class Engine:
         rec = _Lookup(lookup_id, seq, deadline, on_answer)
         rec.has_task = False
         rec.loaded = list(zip(keys, buffers[:whole]))
-        rec.state = LookupState.HELD
+        rec.hold()
         self._lookups[lookup_id] = rec
         expires = started + self.config.claim_ttl_s
         heapq.heappush(self._expiries, (expires, self._expiry_tie, rec))
@@ -368,8 +420,7 @@ class Engine:
 
     def _end_held(self, rec: _Lookup) -> None:
         """Release a held result and forget it (synchronous)."""
-        rec.release_loaded()
-        rec.state = LookupState.DONE
+        rec.release()
         if self._lookups.get(rec.lookup_id) is rec:
             del self._lookups[rec.lookup_id]
 
@@ -399,33 +450,33 @@ class Engine:
     ) -> None:
         try:
             with rec.scope, ExitStack() as owned:
-                # Whatever the lookup still owns when it ends is released here.
-                owned.callback(rec.release_loaded)
+                # Whatever the record still owns when the task ends is released here.
+                owned.callback(rec.release)
                 try:
                     chunks = await self._probe_and_load(rec, keys, skip_chunks, owned)
                 except Exception:
+                    # Not a tier's failure (those end the prefix inside): a bug, said loudly.
                     log.exception("lookup %s failed; answering 0", rec.lookup_id)
                     self.counters["lookups_failed"] += 1
+                    rec.release()
                     chunks = 0
-                    rec.release_loaded()
-                if not rec.loaded:
+                if rec.loaded:
+                    rec.hold()  # before the answer: whoever the answer wakes finds it held
+                else:
                     chunks = min(chunks, skip_chunks)
                 self._count_answer(cum[chunks], started, rec.give_answer(cum[chunks]))
-                if not rec.loaded:
+                if rec.state is not LookupState.HELD:
                     return
-                rec.state = LookupState.HELD
                 await trio.sleep(self.config.claim_ttl_s)
                 self.counters["lookups_expired"] += 1
         finally:
             if rec.answer is None:  # cancelled or failed before the answer
                 self._count_answer(0, started, rec.give_answer(0))
-            if rec.state is not LookupState.CLAIMED:
-                rec.state = LookupState.DONE
+            rec.release()  # owns nothing by now; DONE unless claimed
             if self._lookups.get(rec.lookup_id) is rec:
                 del self._lookups[rec.lookup_id]
             self._live.discard(rec)
-            if not self._live:
-                self._quiet.set()
+            self._tasks_alive.value = len(self._live)
 
     async def _probe_and_load(
         self, rec: _Lookup, keys: list[ChunkKey], skip_chunks: int, owned: ExitStack
@@ -446,7 +497,7 @@ class Engine:
         tier_timeout = self.config.tier_timeout_s
         with trio.move_on_at(rec.deadline):
             async with trio.open_nursery() as loads:
-                for tier in self.tiers:
+                for tier, zero_copy in self._probe_order:
                     if next_chunk >= n_chunks:
                         break  # everything hit: stop probing early
                     remaining = keys[next_chunk * kpc :]
@@ -474,8 +525,8 @@ class Engine:
                     part = _Part(tier, next_chunk, remaining[: hit * kpc], hit, pins)
                     parts.append(part)
                     next_chunk += hit
-                    if isinstance(tier, CpuTier):
-                        self._take_cpu_hits(part)
+                    if zero_copy:
+                        self._take_zero_copy_hits(part)
                     else:
                         loads.start_soon(self._load_part, part)
         # Keep the contiguous prefix; release everything past the first hole.
@@ -493,10 +544,10 @@ class Engine:
             hole = part.loaded < part.n_chunks
         return total
 
-    def _take_cpu_hits(self, part: _Part) -> None:
+    def _take_zero_copy_hits(self, part: _Part) -> None:
         """Zero-copy: owner references on the cached buffers, taken synchronously."""
-        cpu = self.cpu
-        part.buffers = cpu.acquire(part.keys)
+        tier = cast(ZeroCopyTier, part.tier)
+        part.buffers = tier.acquire(part.keys)
         part.loaded = len(part.buffers) // self._kpc
         part.release_buffers(part.loaded * self._kpc)
         part.pins.release()  # the owner references now keep the entries from eviction
@@ -551,10 +602,11 @@ class Engine:
         Returns an empty list for an unknown, unanswered, cancelled or expired id.
         """
         rec = self._lookups.get(lookup_id)
-        if rec is None or rec.state is not LookupState.HELD:
+        if rec is None:
             return []
-        items, rec.loaded = rec.loaded, []
-        rec.state = LookupState.CLAIMED
+        items = rec.claim()
+        if not items:
+            return []
         if rec.has_task:
             rec.scope.cancel()  # the task ends its hold and releases its pins
         else:
@@ -591,8 +643,7 @@ class Engine:
         if rec.state in (LookupState.LOADING, LookupState.HELD):
             self.counters["lookups_cancelled"] += 1
         if rec.state is LookupState.HELD:
-            rec.release_loaded()  # at once, not when the task next runs
-            rec.state = LookupState.DONE
+            rec.release()  # at once, not when the task next runs
         if rec.has_task:
             rec.scope.cancel()
 
@@ -724,9 +775,7 @@ class Engine:
     async def flush(self) -> None:
         """Wait until every write-behind queued so far is on its tier (disk, remote)."""
         for tier in self._write_behind:
-            flush = getattr(tier, "flush", None)
-            if flush is not None:
-                await flush()
+            await tier.flush()
 
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -755,9 +804,7 @@ class Engine:
     async def wait_quiet(self) -> None:
         """Wait until no lookup task is alive (every lookup answered and released, or held
         lookups claimed, cancelled or expired)."""
-        while not self._quiet.is_set():
-            await self._quiet.wait()
-        await trio.lowlevel.checkpoint()
+        await self._tasks_alive.wait_value(_is_zero)  # always a checkpoint
 
     def is_idle(self) -> bool:
         """Nothing in flight or held, and the conservation invariant (DESIGN §7) holds."""
@@ -774,6 +821,10 @@ class Engine:
         self._closed = True
         self.cancel_all()
         self._expiry_task_scope.cancel()
+
+
+def _is_zero(n: int) -> bool:
+    return n == 0
 
 
 def _as_bytes_view(payload: Any, index: int) -> memoryview:
@@ -813,8 +864,8 @@ async def open_engine(
     """Open one rank's engine: arena, tiers, and the nursery its lookups run in.
 
     ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis), in order; those
-    with an ``enqueue_write`` method also get write-behind copies of stored chunks.  The
-    engine does not close them.
+    that are a :class:`~lmprefetch.tiers.base.WriteBehindTier` (``enqueue_write`` and
+    ``flush``) also get write-behind copies of stored chunks.  The engine does not close them.
 
     On exit every lookup is cancelled and releases what it owns, pending disk and remote writes
     are flushed, and the CPU tier is dropped.  A new engine on the same ``disk_path`` finds the
@@ -845,7 +896,6 @@ async def open_engine(
         raise ValueError(f"cpu_bytes: cannot allocate {config.cpu_bytes} bytes ({exc})") from None
     cpu = CpuTier(arena)
     tiers: list[Tier] = [cpu]
-    write_behind: list[Any] = []
     try:
         async with AsyncExitStack() as stack:
             if config.disk_path is not None:
@@ -861,7 +911,6 @@ async def open_engine(
                     )
                 )
                 tiers.append(disk)
-                write_behind.append(disk)
             if config.redis_url is not None:
                 from .tiers.redis import open_redis_tier
 
@@ -876,11 +925,7 @@ async def open_engine(
                     )
                 )
                 tiers.append(remote)
-                write_behind.append(remote)
-            for tier in extra_tiers:
-                tiers.append(tier)
-                if hasattr(tier, "enqueue_write"):
-                    write_behind.append(tier)
+            tiers.extend(extra_tiers)
             async with trio.open_nursery() as nursery:
                 engine = Engine(
                     config,
@@ -890,7 +935,6 @@ async def open_engine(
                     arena=arena,
                     cpu=cpu,
                     tiers=tiers,
-                    write_behind=write_behind,
                 )
                 try:
                     yield engine

@@ -90,6 +90,9 @@ class FakeTier(BaseTier):
         self.data[key] = bytes(buf.view())
         return True
 
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()  # enqueue_write wrote at once: nothing is pending
+
     async def remove(self, key: ChunkKey) -> bool:
         await trio.lowlevel.checkpoint()
         return self.data.pop(key, None) is not None

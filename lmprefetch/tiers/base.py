@@ -29,7 +29,7 @@ import trio
 from ..keys import ChunkKey
 from ..memory import Buffer
 
-__all__ = ["BaseTier", "Tier", "TierStats", "ZeroCopyTier"]
+__all__ = ["BaseTier", "Tier", "TierStats", "WriteBehindTier", "ZeroCopyTier"]
 
 
 class TierStats:
@@ -123,11 +123,31 @@ class Tier(Protocol):
         ...
 
 
+@runtime_checkable
 class ZeroCopyTier(Tier, Protocol):
-    """A tier whose hits are arena buffers already (the CPU tier): loading is taking a reference."""
+    """A tier whose hits are arena buffers already (the CPU tier): loading is taking a reference.
+
+    The engine takes such a tier's hits synchronously with :meth:`acquire` instead of
+    allocating buffers and awaiting :meth:`Tier.load`.
+    """
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[Buffer]:
         """Owned references to the cached buffers of a prefix of ``keys`` (synchronous)."""
+        ...
+
+
+@runtime_checkable
+class WriteBehindTier(Protocol):
+    """A tier that takes stores behind the caller's back (disk, Redis): the engine hands it
+    every chunk it stores (see :mod:`lmprefetch.tiers.writebehind`)."""
+
+    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
+        """Queue a write of ``buf`` under ``key``, taking an owner reference; never blocks.
+        ``False`` if the write was dropped (and counted)."""
+        ...
+
+    async def flush(self) -> None:
+        """Wait until every write queued before the call was written or dropped."""
         ...
 
 

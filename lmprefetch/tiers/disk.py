@@ -58,7 +58,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 import trio
@@ -67,6 +67,7 @@ import xxhash
 from ..keys import ChunkKey
 from ..memory import Buffer
 from .base import BaseTier
+from .writebehind import WriteBehindQueue, WriteEntry
 
 __all__ = ["HEADER_BYTES", "MAGIC", "DiskTier", "open_disk_tier"]
 
@@ -166,18 +167,6 @@ async def _set_when_cancelled(stop: threading.Event) -> None:
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
-class _WriteEntry:
-    """One queued write-behind: the tier owns one reference on ``buf`` until it is released."""
-
-    __slots__ = ("buf", "key", "removed", "seq")
-
-    def __init__(self, key: ChunkKey, buf: Buffer, seq: int) -> None:
-        self.key = key
-        self.buf: Buffer | None = buf
-        self.seq = seq
-        self.removed = False
-
-
 class DiskTier(BaseTier):
     """Chunk files under ``path``, with an LRU index in memory.
 
@@ -225,16 +214,9 @@ class DiskTier(BaseTier):
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._used_bytes = 0
-        # Write-behind state (Trio thread only).
-        self._queue: deque[_WriteEntry] = deque()
-        self._queued: dict[ChunkKey, _WriteEntry] = {}
-        self._writing: _WriteEntry | None = None
-        self._enqueued_seq = 0
-        self._done_seq = 0
-        self._queue_lot = trio.lowlevel.ParkingLot()  # the writer waits here for work
-        self._progress_lot = trio.lowlevel.ParkingLot()  # flush() waits here for the writer
+        # Write-behind (Trio thread only): one file at a time, in order.
+        self._writes = WriteBehindQueue(write_queue, self.stats)
         self._writer_scope: trio.CancelScope | None = None
-        self._closing = False
         #: Files in the directory that are not chunk files (left alone).
         self.foreign_files = 0
         #: Temporary files of interrupted writes removed when the index was rebuilt.
@@ -454,32 +436,20 @@ class DiskTier(BaseTier):
     def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
         """Queue ``buf``'s payload to be written under ``key`` (synchronous, never blocks).
 
-        Takes an owner reference on ``buf``, released by the writer once the file is written
-        (or the write is dropped, or the tier closes).
+        Takes an owner reference on ``buf``, released once the file is written (or the write
+        is dropped, or the tier closes); see :mod:`lmprefetch.tiers.writebehind`.
 
         Returns:
             ``True`` if the key is on disk, being written or queued; ``False`` if the write is
             dropped (the queue is full, the key is too long, or the tier is closing), counted
             in ``stats.writes_dropped``.
         """
-        if key in self._index or key in self._queued:
+        if key in self._index or self._writes.has(key):
             return True
-        writing = self._writing
-        if writing is not None and writing.key == key and not writing.removed:
-            return True
-        if (
-            self._closing
-            or len(self._queued) >= self.write_queue
-            or len(key.to_string().encode()) > _MAX_KEY_BYTES
-        ):
+        if len(key.to_string().encode()) > _MAX_KEY_BYTES:
             self.stats.writes_dropped += 1
             return False
-        self._enqueued_seq += 1
-        entry = _WriteEntry(key, buf.retain(), self._enqueued_seq)
-        self._queue.append(entry)
-        self._queued[key] = entry
-        self._queue_lot.unpark()
-        return True
+        return self._writes.put(key, buf)
 
     async def store(self, key: ChunkKey, payload: Buffer) -> bool:
         """:meth:`enqueue_write` (the file is written behind; see :meth:`flush`)."""
@@ -491,12 +461,7 @@ class DiskTier(BaseTier):
 
         Cancellation: waiting is cancellable; the writes go on.
         """
-        target = self._enqueued_seq
-        if self._done_seq >= target:
-            await trio.lowlevel.checkpoint()
-            return
-        while self._done_seq < target:
-            await self._progress_lot.park()
+        await self._writes.flush()
 
     async def _run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
@@ -505,56 +470,28 @@ class DiskTier(BaseTier):
 
         It runs shielded: cancelling the scope around the tier (an engine shutting down) must
         not stop the writer before :meth:`aclose` has flushed.  Only :meth:`aclose` cancels it.
-        On exit it releases the reference of every write still queued, so each reference the
-        tier took is released exactly once.
+        On exit the queue releases the reference of every write still queued.
         """
         with trio.CancelScope(shield=True) as scope:
             self._writer_scope = scope
-            task_status.started()
-            try:
-                while True:
-                    while not self._queue:
-                        await self._queue_lot.park()
-                    entry = self._queue.popleft()
-                    if self._queued.get(entry.key) is entry:
-                        del self._queued[entry.key]
-                    try:
-                        await self._write_entry(entry)
-                    except BaseException:  # cancelled (or worse) before the file was written
-                        if entry.buf is not None:
-                            self.stats.writes_dropped += 1
-                        raise
-                    finally:
-                        self._finish(entry)
-            finally:
-                self._closing = True
-                while self._queue:
-                    entry = self._queue.popleft()
-                    self._queued.pop(entry.key, None)
-                    if entry.buf is not None:
-                        self.stats.writes_dropped += 1
-                    self._finish(entry)
+            await self._writes.run(self._write_batch, batch_keys=1, task_status=task_status)
 
-    def _finish(self, entry: _WriteEntry) -> None:
-        buf, entry.buf = entry.buf, None
-        if self._writing is entry:
-            self._writing = None
-        self._done_seq = entry.seq
-        self._progress_lot.unpark_all()
-        if buf is not None:
-            buf.release()
+    async def _write_batch(self, batch: list[WriteEntry]) -> None:
+        for entry in batch:
+            await self._write_entry(entry)
 
-    async def _write_entry(self, entry: _WriteEntry) -> None:
-        buf = entry.buf
-        if buf is None:  # removed while queued
+    async def _write_entry(self, entry: WriteEntry) -> None:
+        buf = entry.buffer
+        if buf is None or entry.removed:  # removed while queued
+            entry.written = True
             await trio.lowlevel.checkpoint()
             return
         key = entry.key
-        self._writing = entry
         size = HEADER_BYTES + buf.length
         victims = self._choose_victims(size)
         if victims is None:  # everything that could make room is pinned
             self.stats.writes_dropped += 1
+            entry.written = True
             await trio.lowlevel.checkpoint()
             return
         for victim in victims:
@@ -574,12 +511,15 @@ class DiskTier(BaseTier):
                     key.to_string().encode(),
                     payload,
                     limiter=self._write_limiter,
-                    abandon_on_cancel=False,  # the thread reads the buffer we release after
+                    abandon_on_cancel=False,  # the thread reads the buffer released after
                 )
         except OSError as exc:  # ENOSPC, EIO, a name too long, ...
             self.stats.errors += 1
+            self.stats.writes_dropped += 1
+            entry.written = True
             log.warning("disk tier: writing %s failed: %s", key.to_string(), exc)
             return
+        entry.written = True
         if entry.removed:  # remove(key) came while the file was being written
             await trio.to_thread.run_sync(_unlink_all, [final], limiter=self._write_limiter)
             return
@@ -606,17 +546,8 @@ class DiskTier(BaseTier):
     # -- remove -----------------------------------------------------------------------
     async def remove(self, key: ChunkKey) -> bool:
         """Forget ``key``: drop its queued write and delete its file.  ``True`` if it was there."""
-        found = False
-        entry = self._queued.pop(key, None)
-        if entry is not None:
-            buf, entry.buf = entry.buf, None
-            if buf is not None:
-                buf.release()
-            found = True
-        writing = self._writing
-        if writing is not None and writing.key == key and not writing.removed:
-            writing.removed = True  # the writer deletes the file once it is written
-            found = True
+        # A queued write is dropped; one being written deletes its file once written.
+        found = self._writes.remove(key)
         if key in self._index:
             self._drop(key)
             await trio.to_thread.run_sync(
@@ -633,12 +564,12 @@ class DiskTier(BaseTier):
         Writes queued from here on are dropped.  Writes still queued when the time is up are
         dropped and their buffer references released.  Idempotent.
         """
-        self._closing = True
+        self._writes.close()
         with trio.move_on_after(self.close_timeout_s, shield=True) as timeout:
             await self.flush()
         if timeout.cancelled_caught:
             log.warning("disk tier: close gave up flushing after %.1f s, dropping %d writes",
-                        self.close_timeout_s, len(self._queued))
+                        self.close_timeout_s, self._writes.pending)
         if self._writer_scope is not None:
             self._writer_scope.cancel()
 
@@ -656,7 +587,7 @@ class DiskTier(BaseTier):
     @property
     def pending_writes(self) -> int:
         """Writes queued or being written."""
-        return len(self._queued) + (self._writing is not None)
+        return self._writes.pending
 
     def keys(self) -> list[ChunkKey]:
         """Indexed keys, least recently used first."""

@@ -55,7 +55,6 @@ import logging
 import math
 import struct
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -72,6 +71,7 @@ from redis.retry import Retry
 from ..keys import ChunkKey
 from ..memory import Buffer
 from .base import BaseTier
+from .writebehind import WriteBehindQueue, WriteEntry
 
 __all__ = [
     "HEADER_BYTES",
@@ -281,14 +281,8 @@ class RedisTier(BaseTier):
         self._backoff_max_s = backoff_max_s
         self._next_backoff_s = backoff_initial_s
         self._retry_at = -math.inf
-        # write-behind state (Trio thread only)
-        self._write_queue_max = write_queue
-        self._queue: deque[tuple[ChunkKey, Buffer]] = deque()
-        self._pending = 0  # queued plus being written
-        self._work = trio.Event()
-        self._drained = trio.Event()
-        self._drained.set()
-        self._writer_running = False
+        # write-behind (Trio thread only): pipelined batches, in order
+        self._writes = WriteBehindQueue(write_queue, self.stats)
 
     # -- remote calls ------------------------------------------------------------------
     @property
@@ -509,15 +503,10 @@ class RedisTier(BaseTier):
         Takes its own reference on ``buf`` (released by the writer once the bytes are copied
         out).  Returns ``False``, counting ``stats.writes_dropped``, when the queue is full, the
         tier is backing off or closed."""
-        if self._closed or len(self._queue) >= self._write_queue_max or self.backing_off:
+        if self._closed or self.backing_off:
             self.stats.writes_dropped += 1
             return False
-        self._queue.append((key, buf.retain()))
-        if self._pending == 0:
-            self._drained = trio.Event()
-        self._pending += 1
-        self._work.set()
-        return True
+        return self._writes.put(key, buf)
 
     async def store(self, key: ChunkKey, payload: Buffer) -> bool:
         """:meth:`enqueue_write` (write-behind; ``True`` means queued, not yet in Redis)."""
@@ -527,19 +516,15 @@ class RedisTier(BaseTier):
     @property
     def queued_writes(self) -> int:
         """Writes queued or being written."""
-        return self._pending
+        return self._writes.pending
 
     async def flush(self) -> None:
-        """Wait until every queued write was sent or dropped.
+        """Wait until every write queued before this call was sent (or dropped).
 
         Raises:
             RuntimeError: writes are queued but no writer runs (use :func:`open_redis_tier`).
         """
-        while self._pending:
-            if not self._writer_running:
-                raise RuntimeError("redis tier: writes queued but the writer is not running")
-            await self._drained.wait()
-        await trio.lowlevel.checkpoint()
+        await self._writes.flush()
 
     async def run_writer(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -547,67 +532,46 @@ class RedisTier(BaseTier):
         """The write-behind loop (runs until cancelled): batch what is queued, copy it out of
         the arena (releasing each buffer reference, exactly once), pipeline the SETs.  Writes are
         dropped and counted while backing off or when the batch fails."""
-        self._writer_running = True
-        try:
-            task_status.started()
-            while True:
-                if not self._queue:
-                    self._work = trio.Event()
-                    await self._work.wait()
-                    continue
-                batch: list[tuple[bytes, Buffer]] = []
-                batch_bytes = 0
-                while self._queue and len(batch) < _WRITE_BATCH_KEYS:
-                    key, buf = self._queue[0]
-                    if batch and batch_bytes + buf.length > _WRITE_BATCH_BYTES:
-                        break
-                    self._queue.popleft()
-                    batch.append((redis_key(key), buf))
-                    batch_bytes += buf.length
-                accounted = False
-                try:
-                    await self._write_batch(batch)  # counts stored / dropped when it returns
-                    accounted = True
-                finally:
-                    if not accounted:  # cancelled (shutdown past its flush deadline)
-                        self.stats.writes_dropped += len(batch)
-                    self._pending -= len(batch)
-                    if self._pending == 0:
-                        self._drained.set()
-        finally:
-            self._writer_running = False
+        await self._writes.run(
+            self._write_batch,
+            batch_keys=_WRITE_BATCH_KEYS,
+            batch_bytes=_WRITE_BATCH_BYTES,
+            task_status=task_status,
+        )
 
-    async def _write_batch(self, batch: list[tuple[bytes, Buffer]]) -> None:
+    async def _write_batch(self, batch: list[WriteEntry]) -> None:
+        live = [e for e in batch if not e.removed and e.buffer is not None]
+        for entry in batch:
+            entry.written = True  # accounted below, or counted dropped by the loop if cancelled
         # Copy out of the arena in a thread that is never abandoned, then let go of the buffers
         # at once: the network part below may be abandoned and never sees arena memory.
+        buffers = [(redis_key(e.key), e.take_buffer()) for e in live]
+        owned = [(name, buf) for name, buf in buffers if buf is not None]
         try:
             if self._closed or self.backing_off:
                 await trio.lowlevel.checkpoint()
-                self.stats.writes_dropped += len(batch)
+                self.stats.writes_dropped += len(owned)
                 return
-            items = await trio.to_thread.run_sync(_encode_all, batch, abandon_on_cancel=False)
+            items = await trio.to_thread.run_sync(_encode_all, owned, abandon_on_cancel=False)
+        except BaseException:
+            self.stats.writes_dropped += len(owned)
+            raise
         finally:
-            for _, buf in batch:
+            for _, buf in owned:
                 buf.release()
         try:
             ok, ok_bytes, error = await self._remote("SET", partial(_set_all, items=items))
         except _Unavailable:
             self.stats.writes_dropped += len(items)
             return
+        except BaseException:
+            self.stats.writes_dropped += len(items)
+            raise
         self.stats.chunks_stored += ok
         self.stats.bytes_stored += ok_bytes
         if error is not None:
             self.stats.writes_dropped += len(items) - ok
             self._failed("SET", error)
-
-    def _drop_queued(self) -> None:
-        while self._queue:
-            _, buf = self._queue.popleft()
-            self.stats.writes_dropped += 1
-            self._pending -= 1
-            buf.release()
-        if self._pending == 0:
-            self._drained.set()
 
     # -- shutdown ----------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -616,11 +580,14 @@ class RedisTier(BaseTier):
         if self._closed:
             return
         with trio.CancelScope(shield=True):
-            if self._writer_running:
-                with trio.move_on_after(CLOSE_TIMEOUT_S):
+            self._writes.close()
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                try:
                     await self.flush()
+                except RuntimeError:  # no writer runs: what is queued is dropped below
+                    pass
             self._closed = True
-            self._drop_queued()
+            self._writes.drop_queued()
             # Every thread (abandoned ones too) holds a limiter token until it really ends:
             # owning all tokens means no thread uses the client any more.
             owned: list[object] = []
