@@ -30,67 +30,28 @@ and comes back in the answers, so answers to an earlier lookup of a reused id ar
 given up (D16).
 
 Threads: :meth:`lookup`, :meth:`cancel`, :meth:`forget`, :meth:`stats` and :meth:`close` may be
-called from any thread.  The client owns its own ``zmq.Context`` and closing it terminates
-only that (D19).
+called from any thread.  The bridge thread, its sockets and how answers are recorded live in
+:mod:`lmprefetch.bridge`; the client owns its own ``zmq.Context`` (through the bridge) and
+closing it terminates only that (D19).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
-import msgspec
-import zmq
-
+from .bridge import CLEANUP, REQUEST, STOP, Bridge, Entry, ResultTable
 from .config import PrefetchConfig
-from .hashing import ChunkHasher
-from .protocol import (
-    LookupCleanupMsg,
-    LookupRequestMsg,
-    LookupResponseMsg,
-    decode_response,
-    encode,
-)
-from .transport import (
-    check_endpoint,
-    close_context,
-    make_pull,
-    make_push,
-    open_context,
-    try_send,
-)
+from .transport import check_endpoint
 
 __all__ = ["LookupClient", "LookupClientError"]
 
 logger = logging.getLogger("lmprefetch.client")
 
 _monotonic = time.monotonic
-
-#: How many forgotten ids remember their last ``seq`` for a later :meth:`LookupClient.cancel`;
-#: past it the oldest are dropped and such a cancel sends ``seq=0`` ("whatever is held").
-_REMEMBERED_SEQS: Final = 65_536
-#: Answers the bridge thread takes off the socket per batch before it looks at commands again.
-_ANSWER_BATCH: Final = 4_096
-#: The bridge thread's poll timeout when idle, only to notice that the main thread ended
-#: without :meth:`LookupClient.close` (so the process can still exit).  Not on any hot path.
-_IDLE_CHECK_MS: Final = 500
-
-# Commands for the bridge thread.  Plain tuples: they are built on the scheduler's thread,
-# where every nanosecond counts.
-#   (_REQUEST, lookup_id, seq, token_ids, n_tokens, skip_tokens, request_configs,
-#    hashes, offsets, deadline_ms)
-#   (_CLEANUP, lookup_id, seq)
-#   (_STOP,)
-_REQUEST: Final = 0
-_CLEANUP: Final = 1
-_STOP: Final = 2
 
 
 class LookupClientError(RuntimeError):
@@ -100,76 +61,6 @@ class LookupClientError(RuntimeError):
     silent 0), with the thread's exception as ``__cause__``; the traceback was also logged
     when the thread died.  Close the client and make a new one (or restart the process).
     """
-
-
-class _Entry:
-    """One lookup in the result table.
-
-    ``result`` is written under the client's lock and read without it (a single attribute
-    read is atomic); everything else is only touched under the lock.
-    """
-
-    __slots__ = (
-        "answered_at",
-        "answers",
-        "deadline",
-        "expected",
-        "result",
-        "seq",
-        "submitted_at",
-        "timed_out",
-    )
-
-    def __init__(self, seq: int, deadline: float, expected: int) -> None:
-        self.seq = seq
-        #: ``time.monotonic()`` after which a poll answers 0.
-        self.deadline = deadline
-        #: Ranks that must answer.
-        self.expected = expected
-        #: worker_id → hit tokens; LMCache answers get fresh negative keys.
-        self.answers: dict[int, int] = {}
-        self.result: int | None = None
-        self.timed_out = False
-        #: ``time.monotonic()`` at submit, and when the last rank's answer arrived.
-        self.submitted_at = 0.0
-        self.answered_at: float | None = None
-
-
-class _Waker:
-    """A file descriptor other threads make readable to wake the bridge thread's poll."""
-
-    _ONE = (1).to_bytes(8, sys.byteorder)
-
-    def __init__(self) -> None:
-        eventfd = getattr(os, "eventfd", None)
-        if eventfd is not None:
-            fd: int = eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self.read_fd, self._write_fd = fd, fd
-        else:  # pragma: no cover - non-Linux
-            self.read_fd, self._write_fd = os.pipe()
-            os.set_blocking(self.read_fd, False)
-            os.set_blocking(self._write_fd, False)
-        self.closed = False
-
-    def wake(self) -> None:
-        try:
-            os.write(self._write_fd, self._ONE)
-        except BlockingIOError:
-            pass  # the pipe is full: it is readable already
-
-    def clear(self) -> None:
-        try:
-            while os.read(self.read_fd, 4096):
-                pass
-        except BlockingIOError:
-            pass  # drained
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            os.close(self.read_fd)
-            if self._write_fd != self.read_fd:
-                os.close(self._write_fd)
 
 
 class LookupClient:
@@ -194,65 +85,24 @@ class LookupClient:
         if not worker_endpoints:
             raise ValueError("worker_endpoints: at least one worker endpoint is needed")
         self._worker_endpoints = [check_endpoint(url) for url in worker_endpoints]
-        self._response_endpoint = check_endpoint(response_endpoint)
+        check_endpoint(response_endpoint)
         self._config = config
         self._timeout_s = float(config.lookup_timeout_s)
-        self._chunk_size = config.chunk_size
         self._expected = len(self._worker_endpoints)
-        self._hasher = ChunkHasher(
-            config.chunk_size, config.hash_algorithm, config.save_partial_chunks
-        )
-
-        # The result table.  Read without the lock on the poll path; written under it.
-        self._entries: dict[str, _Entry] = {}
-        self._last_seq: OrderedDict[str, int] = OrderedDict()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        # The PUSH sockets, once the bridge made them.  Sends on them (from the bridge, or
-        # from a caller submitting precomputed hashes) happen under ``_send_lock``, which
-        # also orders them with the bridge closing the sockets (it sets this to None).
-        self._pushes: list[zmq.Socket[bytes]] | None = None
-        self._send_lock = threading.Lock()
         self._next_seq = 1
-        self._next_anonymous_rank = -2
         self._closed = False
-
-        # Callers append under the lock; only the bridge thread pops.
-        self._commands: deque[tuple[Any, ...]] = deque()
-        # True while a wake-up is written and not yet consumed: later commands need not
-        # pay for another write() (the bridge clears the flag before it drains the deque).
-        self._wake_pending = False
-        self._waker = _Waker()
-
-        self._counters = dict.fromkeys(
-            (
-                "submitted",
-                "answered",
-                "timeouts",
-                "cancels",
-                "stale_answers_dropped",
-                "duplicate_answers",
-                "malformed_answers",
-                "sends_dropped",
-                "hash_errors",
-            ),
-            0,
-        )
-
-        self._startup_error: BaseException | None = None
-        #: Why the bridge thread died, if it did (read without the lock on every lookup).
-        self._failure: BaseException | None = None
-        ready = threading.Event()
-        self._thread = threading.Thread(
-            target=self._bridge, args=(ready,), name="lmprefetch-client-bridge", daemon=False
-        )
-        self._thread.start()
-        ready.wait()
-        if self._startup_error is not None:
+        # Shared with the bridge thread; the poll path reads ``entries`` without the lock.
+        self._table = table = ResultTable()
+        self._entries = table.entries
+        self._lock = table.lock
+        self._cond = table.cond
+        self._bridge = Bridge(table, config, self._worker_endpoints, response_endpoint)
+        try:
+            self._bridge.start()
+        except BaseException:
             self._closed = True
-            self._thread.join()
-            self._waker.close()
-            raise self._startup_error
+            table.waker.close()
+            raise
 
     # -- the scheduler's API ------------------------------------------------------------
 
@@ -297,7 +147,7 @@ class LookupClient:
             ValueError: ``skip_tokens`` is negative, or only one of ``hashes`` / ``offsets``
                 is given, or they differ in length.
         """
-        if self._failure is not None:
+        if self._table.failure is not None:
             self._raise_failure()
         e = self._entries.get(lookup_id)
         if e is not None:
@@ -319,13 +169,13 @@ class LookupClient:
         with self._lock:
             if self._closed:
                 return
+            table = self._table
             e = self._entries.pop(lookup_id, None)
-            seq = e.seq if e is not None else self._last_seq.get(lookup_id, 0)
+            seq = e.seq if e is not None else table.last_seq.get(lookup_id, 0)
             if seq:
-                self._remember_seq(lookup_id, seq)
-            self._counters["cancels"] += 1
-            self._commands.append((_CLEANUP, lookup_id, seq))
-            self._wake_locked()
+                table.remember_seq(lookup_id, seq)
+            table.counters["cancels"] += 1
+            table.post((CLEANUP, lookup_id, seq))
             self._cond.notify_all()
 
     def forget(self, lookup_id: str) -> None:
@@ -338,7 +188,7 @@ class LookupClient:
         with self._lock:
             e = self._entries.pop(lookup_id, None)
             if e is not None:
-                self._remember_seq(lookup_id, e.seq)
+                self._table.remember_seq(lookup_id, e.seq)
                 self._cond.notify_all()
 
     def wait(self, lookup_id: str, timeout_s: float) -> int | None:
@@ -363,7 +213,7 @@ class LookupClient:
             if e is None:
                 raise KeyError(lookup_id)
             while True:
-                if self._failure is not None:
+                if self._table.failure is not None:
                     self._raise_failure()
                 if self._entries.get(lookup_id) is not e:
                     return None
@@ -394,14 +244,14 @@ class LookupClient:
         (unhashable prompts, answered 0) and ``pending`` (lookups awaiting answers).
         """
         with self._lock:
-            out = dict(self._counters)
+            out = dict(self._table.counters)
             out["pending"] = sum(1 for e in self._entries.values() if e.result is None)
         return out
 
     @property
     def response_endpoint(self) -> str:
         """The bound response endpoint (with the real port after binding ``tcp://…:0``)."""
-        return self._response_endpoint
+        return self._bridge.response_endpoint
 
     @property
     def worker_endpoints(self) -> list[str]:
@@ -422,13 +272,13 @@ class LookupClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._commands.append((_STOP,))
-                self._waker.wake()
-        self._thread.join()
+                self._table.commands.append((STOP,))
+                self._table.waker.wake()
+        self._bridge.thread.join()
         with self._lock:
             self._entries.clear()
             self._cond.notify_all()
-            self._waker.close()
+            self._table.waker.close()
 
     def __enter__(self) -> LookupClient:
         return self
@@ -473,12 +323,12 @@ class LookupClient:
             self._next_seq = seq + 1
             # Register before the request can leave, so even an instant answer finds it.
             now = _monotonic()
-            e = _Entry(seq, now + self._timeout_s, self._expected)
+            e = Entry(seq, now + self._timeout_s, self._expected)
             e.submitted_at = now
             self._entries[lookup_id] = e
-            self._counters["submitted"] += 1
+            self._table.counters["submitted"] += 1
             cmd = (
-                _REQUEST,
+                REQUEST,
                 lookup_id,
                 seq,
                 token_ids,
@@ -490,15 +340,14 @@ class LookupClient:
                 deadline_ms,
             )
             if hashes is None:
-                self._commands.append(cmd)
-                self._wake_locked()
+                self._table.post(cmd)
         if hashes is not None:
             # Precomputed hashes: nothing to hash, so send from this thread at once and save
             # the hop to the bridge thread (a few microseconds per worker).
-            self._send_request(cmd, None)
+            self._bridge.send_request(cmd)
         return None
 
-    def _expire(self, lookup_id: str, e: _Entry) -> int:
+    def _expire(self, lookup_id: str, e: Entry) -> int:
         """The poll after the deadline: answer 0, once warn and cancel on every worker."""
         with self._lock:
             if e.result is not None:  # answered, or expired by another thread, meanwhile
@@ -508,10 +357,9 @@ class LookupClient:
             self._cond.notify_all()
             if self._closed or self._entries.get(lookup_id) is not e:
                 return 0
-            self._counters["timeouts"] += 1
+            self._table.counters["timeouts"] += 1
             answered = len(e.answers)
-            self._commands.append((_CLEANUP, lookup_id, e.seq))
-            self._wake_locked()
+            self._table.post((CLEANUP, lookup_id, e.seq))
         logger.warning(
             "lookup %r (seq %d): %d of %d workers answered within %.3g s; "
             "answering 0 and cancelling it on every worker",
@@ -524,189 +372,8 @@ class LookupClient:
         return 0
 
     def _raise_failure(self) -> None:
+        failure = self._table.failure
         raise LookupClientError(
-            f"the LookupClient's bridge thread died ({self._failure!r}); no lookup can be "
+            f"the LookupClient's bridge thread died ({failure!r}); no lookup can be "
             "answered: close this client and make a new one"
-        ) from self._failure
-
-    def _wake_locked(self) -> None:
-        if not self._wake_pending:
-            self._wake_pending = True
-            self._waker.wake()
-
-    def _remember_seq(self, lookup_id: str, seq: int) -> None:
-        self._last_seq[lookup_id] = seq
-        self._last_seq.move_to_end(lookup_id)
-        if len(self._last_seq) > _REMEMBERED_SEQS:
-            self._last_seq.popitem(last=False)
-
-    # -- the bridge thread --------------------------------------------------------------
-
-    def _bridge(self, ready: threading.Event) -> None:
-        """The bridge thread: owns the context and every socket from birth to close."""
-        ctx = open_context()
-        pushes: list[zmq.Socket[bytes]] = []
-        pull: zmq.Socket[bytes] | None = None
-        try:
-            try:
-                hwm = self._config.socket_hwm
-                pull = make_pull(
-                    ctx,
-                    self._response_endpoint,
-                    bind=True,
-                    hwm=hwm,
-                    max_message_bytes=self._config.max_message_bytes,
-                )
-                self._response_endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
-                for url in self._worker_endpoints:
-                    pushes.append(make_push(ctx, url, bind=False, hwm=hwm))
-                self._pushes = pushes
-            except Exception as exc:
-                self._startup_error = exc
-                return
-            finally:
-                ready.set()
-            self._serve(pull, pushes)
-        except BaseException as exc:
-            # Never silent: the traceback goes to the log now, and every later lookup() and
-            # wait() raises LookupClientError instead of quietly answering 0 forever.
-            logger.critical(
-                "lmprefetch client bridge thread failed; every later lookup raises",
-                exc_info=True,
-            )
-            with self._lock:
-                self._failure = exc
-                self._cond.notify_all()
-        finally:
-            with self._send_lock:
-                self._pushes = None
-                close_context(ctx, [*pushes, *([pull] if pull is not None else [])])
-
-    def _serve(self, pull: zmq.Socket[bytes], pushes: list[zmq.Socket[bytes]]) -> None:
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
-        poller.register(self._waker.read_fd, zmq.POLLIN)
-        main_thread = threading.main_thread()
-        while True:
-            events = poller.poll(_IDLE_CHECK_MS)
-            if not events and not main_thread.is_alive():
-                logger.warning("LookupClient was never closed; closing it at interpreter exit")
-                return
-            for what, _ in events:
-                if what is pull:
-                    self._receive(pull)
-                else:  # the waker (the poller reports a raw fd as an int)
-                    # Clear the fd first, then the flag, then drain.  A command appended
-                    # while the flag is still set wrote nothing, and is drained below; one
-                    # appended after the flag is cleared writes the fd again.  (The other
-                    # order loses wake-ups: a write made between clearing the flag and
-                    # reading the fd is swallowed while the flag stays set, and every later
-                    # command then waits for the idle timeout.)
-                    self._waker.clear()
-                    self._wake_pending = False
-            if self._run_commands(pushes):
-                return
-
-    def _run_commands(self, pushes: list[zmq.Socket[bytes]]) -> bool:
-        """Carry out queued commands in order; True when told to stop."""
-        commands = self._commands
-        while commands:
-            cmd = commands.popleft()
-            op = cmd[0]
-            if op == _REQUEST:
-                self._send_request(cmd, pushes)
-            elif op == _CLEANUP:
-                self._send_to_all(pushes, encode(LookupCleanupMsg(cmd[1], seq=cmd[2])))
-            else:
-                return True
-        return False
-
-    def _send_request(self, cmd: tuple[Any, ...], pushes: list[zmq.Socket[bytes]] | None) -> None:
-        (_, lookup_id, seq, token_ids, n_tokens, skip_tokens, configs, hashes, offsets,
-         deadline_ms) = cmd  # fmt: skip
-        try:
-            if hashes is None:
-                if len(token_ids) != n_tokens:
-                    token_ids = token_ids[:n_tokens]
-                hashes = self._hasher.hash(token_ids)
-                offsets = self._hasher.offsets(n_tokens)
-            msg = LookupRequestMsg(
-                lookup_id,
-                hashes,
-                offsets,
-                configs,
-                seq=seq,
-                deadline_ms=deadline_ms,
-                skip_chunks=min(skip_tokens // self._chunk_size, len(hashes)),
-            )
-            buf = encode(msg)
-        except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
-            self._fail(lookup_id, seq, exc)
-            return
-        self._send_to_all(pushes, buf)
-
-    def _send_to_all(self, pushes: list[zmq.Socket[bytes]] | None, buf: bytes) -> None:
-        dropped = 0
-        with self._send_lock:
-            if self._pushes is None:  # closed meanwhile
-                return
-            for sock in self._pushes:
-                if not try_send(sock, buf):
-                    # At the high-water mark: the worker is gone or far behind.  Never block
-                    # on it; the lookup times out to 0 if it mattered.
-                    dropped += 1
-        if dropped:
-            with self._lock:
-                self._counters["sends_dropped"] += dropped
-
-    def _fail(self, lookup_id: str, seq: int, exc: Exception) -> None:
-        # Log before publishing the 0, so whoever sees the 0 also finds the reason.
-        logger.warning("lookup %r: cannot build the request (%s); answering 0", lookup_id, exc)
-        with self._lock:
-            self._counters["hash_errors"] += 1
-            e = self._entries.get(lookup_id)
-            if e is not None and e.seq == seq and e.result is None:
-                e.result = 0
-                self._cond.notify_all()
-
-    def _receive(self, pull: zmq.Socket[bytes]) -> None:
-        """Take a batch of answers off the socket and record them under one lock."""
-        msgs: list[LookupResponseMsg] = []
-        malformed = 0
-        for _ in range(_ANSWER_BATCH):
-            try:
-                buf = pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                msgs.append(decode_response(buf))
-            except Exception:  # DecodeError by contract; whatever the bytes, never fatal
-                malformed += 1
-        with self._lock:
-            counters = self._counters
-            counters["malformed_answers"] += malformed
-            completed = False
-            for msg in msgs:
-                e = self._entries.get(msg.lookup_id)
-                # seq 0: an LMCache worker, which does not echo it; match the current entry.
-                if e is None or e.result is not None or (msg.seq and msg.seq != e.seq):
-                    counters["stale_answers_dropped"] += 1
-                    continue
-                if msg.num_hit_tokens < 0:
-                    counters["malformed_answers"] += 1
-                    continue
-                rank = msg.worker_id
-                if rank < 0:  # an LMCache worker does not say which rank it is
-                    rank = self._next_anonymous_rank
-                    self._next_anonymous_rank -= 1
-                elif rank in e.answers:
-                    counters["duplicate_answers"] += 1
-                    continue
-                e.answers[rank] = msg.num_hit_tokens
-                if len(e.answers) >= e.expected:
-                    e.result = min(e.answers.values())
-                    e.answered_at = _monotonic()
-                    counters["answered"] += 1
-                    completed = True
-            if completed:
-                self._cond.notify_all()
+        ) from failure

@@ -560,7 +560,7 @@ def test_d19_close_joins_is_idempotent_and_terms_only_its_own_context() -> None:
             ) as client:
                 client.lookup("x", tokens(2))
                 worker.recv_request()
-                thread = client._thread
+                thread = client._bridge.thread
                 assert thread.is_alive()
                 assert not thread.daemon
             assert not thread.is_alive()  # joined by close()
@@ -653,7 +653,7 @@ def test_submit_racing_the_bridge_wake_up_is_not_lost(cluster: Cluster) -> None:
     the worker at once, not after the bridge's idle timeout.
     """
     client, (worker,) = cluster(1)
-    real_clear = client._waker.clear
+    real_clear = client._table.waker.clear
     injected: list[str] = []
 
     def clear_with_a_racing_submit() -> None:
@@ -662,7 +662,7 @@ def test_submit_racing_the_bridge_wake_up_is_not_lost(cluster: Cluster) -> None:
             client.lookup("race", list(range(CHUNK)))  # the scheduler thread, interleaved
         real_clear()
 
-    client._waker.clear = clear_with_a_racing_submit  # type: ignore[method-assign]
+    client._table.waker.clear = clear_with_a_racing_submit  # type: ignore[method-assign]
     client.lookup("first", list(range(CHUNK)))
     ids = {worker.recv_request().lookup_id, worker.recv_request().lookup_id}
     assert ids == {"first", "race"}

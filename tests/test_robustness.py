@@ -364,11 +364,11 @@ def test_a_dead_client_bridge_makes_every_lookup_raise(
                 died.set()
                 raise RuntimeError("injected bug in the bridge")
 
-            client._send_request = bug  # type: ignore[method-assign]
+            client._bridge.send_request = bug  # type: ignore[method-assign]
             assert client.lookup("after", tokens(1)) is None  # the bridge runs it and dies
             assert died.wait(LIMIT_S)
-            client._thread.join(LIMIT_S)
-            assert not client._thread.is_alive()
+            client._bridge.thread.join(LIMIT_S)
+            assert not client._bridge.thread.is_alive()
             for lookup_id in ("before", "after", "new"):
                 with pytest.raises(LookupClientError, match="bridge thread died"):
                     client.lookup(lookup_id, tokens(1))
