@@ -26,7 +26,7 @@ import trio.testing
 
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena, Buffer
-from lmprefetch.tiers import disk
+from lmprefetch.tiers import chunkfile
 from lmprefetch.tiers.disk import HEADER_BYTES, MAGIC, DiskTier, open_disk_tier
 
 SLOT_BYTES = 16 * 1024  # a multiple of the page size: O_DIRECT can read into these slots
@@ -436,7 +436,7 @@ async def test_write_error_is_counted_and_releases_the_buffer(
 
     with trio.fail_after(TIMEOUT_S):
         async with opened(tmp_path) as tier:
-            monkeypatch.setattr(disk, "_write_file", failing_write)
+            monkeypatch.setattr(chunkfile, "write_file", failing_write)
             enqueue(tier, arena, 0)
             await tier.flush()
             assert tier.stats.errors == 1
@@ -638,7 +638,7 @@ async def test_o_direct_refused_falls_back_to_buffered_reads(
     with trio.fail_after(TIMEOUT_S):
         async with opened(tmp_path, o_direct=True) as tier:
             await store(tier, arena, range(3), size=7000)
-            monkeypatch.setattr(disk, "os", _OsProxy({"open": refusing_open}))
+            monkeypatch.setattr(chunkfile, "os", _OsProxy({"open": refusing_open}))
             got = await load(tier, arena, [key(h) for h in range(3)])
             assert got == [payload(h, 7000) for h in range(3)]
             assert tier.o_direct_reads == 0
@@ -692,7 +692,7 @@ async def test_o_direct_read_refused_falls_back_to_buffered_reads(
         async with opened(tmp_path, o_direct=True) as tier:
             await store(tier, arena, range(3), size=7000)
             monkeypatch.setattr(
-                disk,
+                chunkfile,
                 "os",
                 _OsProxy(
                     {"open": open_tracking, "close": close_tracking, "preadv": preadv_refusing}
@@ -765,7 +765,7 @@ async def test_file_operations_never_run_on_the_trio_thread(
     tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = _OsProxy()
-    monkeypatch.setattr(disk, "os", spy)
+    monkeypatch.setattr(chunkfile, "os", spy)
     trio_thread = threading.get_ident()
     file_bytes = HEADER_BYTES + 4096
     with trio.fail_after(TIMEOUT_S):

@@ -1,27 +1,15 @@
 """The disk tier: one checksummed file per chunk, read by worker threads, written behind.
 
-Every chunk lives in its own file ``<key.to_string()>.kv`` under the tier's directory.  A file is
-a fixed-size header followed by the payload:
-
-===========  =====  ===========================================================================
-offset       bytes  field (integers little-endian)
-===========  =====  ===========================================================================
-0            8      magic ``b"LMPFKV1\\0"``
-8            4      format version (``1``)
-12           4      header size in bytes (``4096``)
-16           8      payload length in bytes
-24           8      xxh3-64 of the payload
-32           4      length ``n`` of the key string in bytes
-36           n      the key string (``ChunkKey.to_string()``, UTF-8)
-36 + n       ...    zero padding up to 4096
-4096         len    the payload
-===========  =====  ===========================================================================
+Every chunk lives in its own file ``<key.to_string()>.kv`` under the tier's directory: a
+one-page header (magic, version, payload length, xxh3-64 checksum, the key string) followed by
+the payload.  The format and the synchronous reads and writes are in
+:mod:`lmprefetch.tiers.chunkfile`; this module is the tier around them: the in-memory index,
+the threads, the pins, eviction and write-behind.
 
 The key string in the header means a file can never be taken for another key (a file copied or
 renamed by hand is a miss, not wrong data); the checksum means a torn or bit-flipped payload is a
 miss, never garbage handed to the model (LMCache's disk backend returns normally from a missing
-file, leaving the buffer unread, D17).  The header is a whole page so that with ``O_DIRECT`` the
-payload starts block-aligned and is read straight into an arena slot.
+file, leaving the buffer unread, D17).
 
 Threads and the Trio thread.  Every file operation (``open``, ``read``, ``write``, ``stat``,
 ``scandir``, ``unlink``, ``replace``) runs in :func:`trio.to_thread.run_sync` under a limiter the
@@ -50,72 +38,31 @@ read checks the key and the checksum in the file itself.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import logging
-import mmap
 import os
-import struct
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 import trio
-import xxhash
 
 from ..keys import ChunkKey
 from ..memory import Buffer
+from . import chunkfile
 from .base import BaseTier
+from .chunkfile import HEADER_BYTES, MAGIC
 from .writebehind import WriteBehindQueue, WriteEntry
 
 __all__ = ["HEADER_BYTES", "MAGIC", "DiskTier", "open_disk_tier"]
 
 log = logging.getLogger("lmprefetch.disk")
 
-#: First bytes of every chunk file.
-MAGIC = b"LMPFKV1\0"
-#: Chunk file format version.
-VERSION = 1
-#: Size of the header before the payload: one page, so an ``O_DIRECT`` payload is aligned.
-HEADER_BYTES = 4096
-#: magic, version, header size, payload length, xxh3-64 of the payload, key string length.
-_HEADER = struct.Struct("<8sIIQQI")
-_MAX_KEY_BYTES = HEADER_BYTES - _HEADER.size
-#: ``O_DIRECT`` needs block-aligned memory, offsets and lengths; a page covers every block size.
-_ALIGN = 4096
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-
-FILE_SUFFIX = ".kv"
-TEMP_SUFFIX = ".kv.tmp"
-
-
-# -- what a chunk read can find (raised in the reading thread) -------------------------------
-class _ChunkMiss(Exception):
-    """The chunk cannot be loaded from its file; the load stops here."""
-
-
-class _FileMissing(_ChunkMiss):
-    """No file under the key's name."""
-
-
-class _FileCorrupt(_ChunkMiss):
-    """The file is not a valid chunk file for this key (it has been unlinked)."""
-
-
-class _TooLarge(_ChunkMiss):
-    """A valid file whose payload does not fit the destination buffer (the file is kept)."""
-
-
-class _DirectUnsupported(Exception):
-    """``O_DIRECT`` was refused (``EINVAL``): read this chunk, and all later ones, buffered."""
-
-
 #: Chunks one thread call reads at most before handing its read-limiter token back.
 _CHUNKS_PER_THREAD_CALL = 8
 
 _ReadJob = tuple[str, bytes, memoryview]  # file path, key string, destination slot
-_ReadOutcome = tuple[int, bool] | _ChunkMiss | OSError  # (payload bytes, O_DIRECT) or a miss
+#: A chunk read's outcome: ``(payload bytes, read with O_DIRECT)``, or why it missed.
+_ReadOutcome = tuple[int, bool] | chunkfile.ChunkMiss | OSError
 
 
 class _LoadRun:
@@ -150,7 +97,7 @@ class _LoadRun:
             self._next += 1
             return self._next - 1
 
-    def fail(self, i: int, exc: _ChunkMiss | OSError) -> None:
+    def fail(self, i: int, exc: chunkfile.ChunkMiss | OSError) -> None:
         with self._lock:
             self.outcomes[i] = exc
             self._first_bad = min(self._first_bad, i)
@@ -209,7 +156,7 @@ class DiskTier(BaseTier):
         self.write_queue = write_queue
         self.close_timeout_s = close_timeout_s
         #: Whether reads still try ``O_DIRECT`` (set to ``False`` by the first ``EINVAL``).
-        self.o_direct_active = bool(o_direct and _O_DIRECT)
+        self.o_direct_active = bool(o_direct and chunkfile.O_DIRECT_FLAG)
         self._read_limiter = trio.CapacityLimiter(read_threads)
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
@@ -228,12 +175,12 @@ class DiskTier(BaseTier):
 
     # -- index ------------------------------------------------------------------------
     def _file_path(self, key: ChunkKey) -> str:
-        return os.path.join(self.path, key.to_string() + FILE_SUFFIX)
+        return os.path.join(self.path, key.to_string() + chunkfile.FILE_SUFFIX)
 
     async def _rebuild_index(self) -> None:
         """Create the directory and index the chunk files already in it (oldest first)."""
         found, foreign, stale = await trio.to_thread.run_sync(
-            _scan_dir, self.path, limiter=self._write_limiter
+            chunkfile.scan_dir, self.path, limiter=self._write_limiter
         )
         found.sort(key=lambda entry: entry[0])  # by mtime: the best LRU order a restart has
         for _, key, size in found:
@@ -248,7 +195,9 @@ class DiskTier(BaseTier):
             self.stats.evictions += 1
             victims.append(self._file_path(key))
         if victims:  # the capacity shrank since the files were written
-            await trio.to_thread.run_sync(_unlink_all, victims, limiter=self._write_limiter)
+            await trio.to_thread.run_sync(
+                chunkfile.unlink_all, victims, limiter=self._write_limiter
+            )
 
     def contains_now(self, key: ChunkKey) -> bool:
         return key in self._index
@@ -349,7 +298,7 @@ class DiskTier(BaseTier):
             trio.from_thread.check_cancelled()
             try:
                 run.outcomes[i] = self._read_chunk(*job)
-            except (_ChunkMiss, OSError) as exc:
+            except (chunkfile.ChunkMiss, OSError) as exc:
                 run.fail(i, exc)
                 return
 
@@ -363,7 +312,7 @@ class DiskTier(BaseTier):
                     return
                 try:
                     run.outcomes[i] = self._read_chunk(*run.jobs[i])
-                except (_ChunkMiss, OSError) as exc:
+                except (chunkfile.ChunkMiss, OSError) as exc:
                     run.fail(i, exc)
                     return
         except BaseException:  # a bug: stop the other threads of this load, then propagate
@@ -391,15 +340,15 @@ class DiskTier(BaseTier):
                     loaded_bytes += length
             else:
                 prefix = False
-                if isinstance(outcome, _FileMissing):
+                if isinstance(outcome, chunkfile.FileMissing):
                     self._drop(key)
-                elif isinstance(outcome, _FileCorrupt):
+                elif isinstance(outcome, chunkfile.FileCorrupt):
                     self._drop(key)
                     self.corrupt_files_removed += 1
                     self.stats.errors += 1
                     log.warning("disk tier: dropped corrupt chunk file %s: %s",
                                 key.to_string(), outcome)
-                elif isinstance(outcome, _TooLarge):  # the file is fine, our slots too small
+                elif isinstance(outcome, chunkfile.TooLarge):  # the file is fine, the slot small
                     self.stats.errors += 1
                 else:  # EIO, EMFILE, ...: a miss now; the file may be fine later
                     self.stats.errors += 1
@@ -413,23 +362,24 @@ class DiskTier(BaseTier):
             ``(payload_bytes, read_with_o_direct)``.
 
         Raises:
-            _FileMissing, _FileCorrupt (after unlinking the file), _TooLarge, OSError.
+            chunkfile.FileMissing, chunkfile.FileCorrupt (after unlinking the file),
+            chunkfile.TooLarge, OSError.
         """
         try:
             if (
                 self.o_direct_active
-                and slot.nbytes % _ALIGN == 0
-                and _address(slot) % _ALIGN == 0
+                and slot.nbytes % chunkfile.ALIGN == 0
+                and chunkfile.address(slot) % chunkfile.ALIGN == 0
             ):
                 try:
-                    return _read_direct(path, key_bytes, slot), True
-                except _DirectUnsupported:
+                    return chunkfile.read_direct(path, key_bytes, slot), True
+                except chunkfile.DirectUnsupported:
                     self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
-            return _read_buffered(path, key_bytes, slot), False
+            return chunkfile.read_buffered(path, key_bytes, slot), False
         except FileNotFoundError:
-            raise _FileMissing(path) from None
-        except _FileCorrupt:
-            _unlink_quiet(path)
+            raise chunkfile.FileMissing(path) from None
+        except chunkfile.FileCorrupt:
+            chunkfile.unlink_quiet(path)
             raise
 
     # -- write-behind -----------------------------------------------------------------
@@ -446,7 +396,7 @@ class DiskTier(BaseTier):
         """
         if key in self._index or self._writes.has(key):
             return True
-        if len(key.to_string().encode()) > _MAX_KEY_BYTES:
+        if len(key.to_string().encode()) > chunkfile.MAX_KEY_BYTES:
             self.stats.writes_dropped += 1
             return False
         return self._writes.put(key, buf)
@@ -499,15 +449,17 @@ class DiskTier(BaseTier):
             self.stats.evictions += 1
         if victims:
             await trio.to_thread.run_sync(
-                _unlink_all, [self._file_path(v) for v in victims], limiter=self._write_limiter
+                chunkfile.unlink_all,
+                [self._file_path(v) for v in victims],
+                limiter=self._write_limiter,
             )
         final = self._file_path(key)
         try:
             with buf.view() as payload:
                 await trio.to_thread.run_sync(
-                    _write_file,
+                    chunkfile.write_file,
                     final,
-                    final[: -len(FILE_SUFFIX)] + TEMP_SUFFIX,
+                    final[: -len(chunkfile.FILE_SUFFIX)] + chunkfile.TEMP_SUFFIX,
                     key.to_string().encode(),
                     payload,
                     limiter=self._write_limiter,
@@ -521,7 +473,9 @@ class DiskTier(BaseTier):
             return
         entry.written = True
         if entry.removed:  # remove(key) came while the file was being written
-            await trio.to_thread.run_sync(_unlink_all, [final], limiter=self._write_limiter)
+            await trio.to_thread.run_sync(
+                chunkfile.unlink_all, [final], limiter=self._write_limiter
+            )
             return
         self._index[key] = size
         self._used_bytes += size
@@ -551,7 +505,7 @@ class DiskTier(BaseTier):
         if key in self._index:
             self._drop(key)
             await trio.to_thread.run_sync(
-                _unlink_all, [self._file_path(key)], limiter=self._write_limiter
+                chunkfile.unlink_all, [self._file_path(key)], limiter=self._write_limiter
             )
             return True
         await trio.lowlevel.checkpoint()
@@ -629,67 +583,6 @@ async def open_disk_tier(
 
 
 # -- file operations (worker threads only) ---------------------------------------------------
-def _scan_dir(path: str) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
-    """Create ``path`` if needed; ``([(mtime_ns, key, file_bytes)], foreign, stale_temps)``.
-    Temporary files of interrupted writes are deleted.
-
-    Raises:
-        ValueError: ``path`` cannot be created, is not a directory, or is not writable (the
-            message starts with ``disk_path``, the setting to fix).
-    """
-    _check_writable_dir(path)
-    found: list[tuple[int, ChunkKey, int]] = []
-    foreign = stale = 0
-    with os.scandir(path) as entries:
-        for entry in entries:
-            name = entry.name
-            if name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
-                _unlink_quiet(entry.path)
-                stale += 1
-                continue
-            key = _parse_name(name)
-            if key is None or not entry.is_file(follow_symlinks=False):
-                foreign += 1
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:  # deleted while we looked
-                continue
-            found.append((st.st_mtime_ns, key, st.st_size))
-    return found, foreign, stale
-
-
-def _check_writable_dir(path: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"disk_path: {path!r} is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(
-            f"disk_path: cannot create the directory {path!r} ({exc.strerror})"
-        ) from None
-    # Permission bits say little (root ignores them; a read-only mount ignores them the other
-    # way), so write a probe file, the way the tier itself will write.
-    try:
-        fd, probe = tempfile.mkstemp(dir=path, suffix=TEMP_SUFFIX)
-    except OSError as exc:
-        raise ValueError(f"disk_path: {path!r} is not writable ({exc.strerror})") from None
-    os.close(fd)
-    _unlink_quiet(probe)
-
-
-def _parse_name(name: str) -> ChunkKey | None:
-    if not name.endswith(FILE_SUFFIX):
-        return None
-    text = name[: -len(FILE_SUFFIX)]
-    try:
-        key = ChunkKey.from_string(text)
-    except ValueError:
-        return None
-    # Only the canonical spelling is ours: two names must never map to one key.
-    return key if key.to_string() == text else None
-
-
 def _only_cancelled(exc: BaseException) -> trio.Cancelled | None:
     """``exc`` if it is ``Cancelled``; one of them if ``exc`` is an exception group holding
     nothing else; ``None`` otherwise."""
@@ -704,147 +597,3 @@ def _only_cancelled(exc: BaseException) -> trio.Cancelled | None:
     return leaves[0]
 
 
-def _address(view: memoryview) -> int:
-    """The memory address of ``view``'s first byte (it must be writable)."""
-    return ctypes.addressof((ctypes.c_char * 1).from_buffer(view))
-
-
-def _read_buffered(path: str, key_bytes: bytes, slot: memoryview) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return _read_fd(fd, key_bytes, slot, bytearray(HEADER_BYTES), direct=False)
-    finally:
-        os.close(fd)
-
-
-def _read_direct(path: str, key_bytes: bytes, slot: memoryview) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            raise _DirectUnsupported from None
-        raise
-    try:
-        # The header lands in its own page-aligned page (anonymous mmap memory).
-        with mmap.mmap(-1, HEADER_BYTES) as header_page, memoryview(header_page) as header:
-            try:
-                return _read_fd(fd, key_bytes, slot, header, direct=True)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-        # (Raised out here, once the page is unmapped: a misaligned read refused.)
-        raise _DirectUnsupported
-    finally:
-        os.close(fd)
-
-
-def _read_fd(
-    fd: int, key_bytes: bytes, slot: memoryview, header: memoryview | bytearray, *, direct: bool
-) -> int:
-    """Read header and payload of the open chunk file ``fd``; verify; the payload length."""
-    file_bytes = os.fstat(fd).st_size
-    payload_bytes = file_bytes - HEADER_BYTES
-    if payload_bytes < 0:
-        raise _FileCorrupt(f"{file_bytes} bytes, shorter than the header")
-    if payload_bytes > slot.nbytes:
-        # Too large for the buffer, or a damaged length: read the header to tell which.
-        if _read_into(fd, [header], HEADER_BYTES) < HEADER_BYTES:
-            raise _FileCorrupt("short read of the header")
-        _check_header(header, key_bytes, payload_bytes)
-        raise _TooLarge(f"a {payload_bytes}-byte payload for a {slot.nbytes}-byte buffer")
-    # O_DIRECT reads whole blocks; the read stops at the end of the file.
-    want = -(-payload_bytes // _ALIGN) * _ALIGN if direct else payload_bytes
-    with slot[:want] as dst:
-        got = _read_into(fd, [header, dst], file_bytes)
-    if got < file_bytes:
-        raise _FileCorrupt("short read (the file shrank)")
-    checksum = _check_header(header, key_bytes, payload_bytes)
-    with slot[:payload_bytes] as payload:
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
-            raise _FileCorrupt("payload checksum mismatch")
-    return payload_bytes
-
-
-def _check_header(header: memoryview | bytearray, key_bytes: bytes, payload_bytes: int) -> int:
-    """Verify ``header`` against the expected key and the payload length found; its checksum."""
-    magic, version, header_bytes, length, checksum, key_len = _HEADER.unpack_from(header, 0)
-    if magic != MAGIC:
-        raise _FileCorrupt("not a chunk file (bad magic)")
-    if version != VERSION or header_bytes != HEADER_BYTES:
-        raise _FileCorrupt(f"unknown format version {version} / header size {header_bytes}")
-    start = _HEADER.size
-    if key_len != len(key_bytes) or bytes(header[start : start + key_len]) != key_bytes:
-        raise _FileCorrupt("the file holds another key")
-    if length != payload_bytes:
-        raise _FileCorrupt(f"header says {length} payload bytes, the file holds {payload_bytes}")
-    return int(checksum)
-
-
-def _read_into(fd: int, views: list[memoryview | bytearray], expected: int) -> int:
-    """``preadv`` from offset 0 until ``expected`` bytes arrived, the views are full or the
-    file ended; the number of bytes read."""
-    pending = [memoryview(view) for view in views]
-    got = 0
-    try:
-        while pending and got < expected:
-            n = os.preadv(fd, pending, got)
-            if n == 0:
-                break
-            got += n
-            # Rare: a read cut short.  Go on after what arrived.
-            while pending and n >= pending[0].nbytes:
-                n -= pending.pop(0).nbytes
-            if pending and n:
-                pending[0] = pending[0][n:]
-        return got
-    finally:
-        # Release at once, not when a traceback holding this frame dies: a live view keeps
-        # the memory it points into (an mmap) from being closed.
-        for view in pending:
-            view.release()
-
-
-def _write_file(final: str, temp: str, key_bytes: bytes, payload: memoryview) -> None:
-    """Write a chunk file to ``temp``, then rename it over ``final`` (atomic)."""
-    header = bytearray(HEADER_BYTES)
-    _HEADER.pack_into(
-        header, 0, MAGIC, VERSION, HEADER_BYTES, payload.nbytes,
-        xxhash.xxh3_64_intdigest(payload), len(key_bytes),
-    )
-    header[_HEADER.size : _HEADER.size + len(key_bytes)] = key_bytes
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            _write_all(fd, [memoryview(header), payload])
-        finally:
-            os.close(fd)
-        os.replace(temp, final)
-    except BaseException:
-        _unlink_quiet(temp)
-        raise
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    pending = [memoryview(view) for view in views]
-    try:
-        while pending:
-            written = os.writev(fd, pending)
-            while pending and written >= pending[0].nbytes:
-                written -= pending.pop(0).nbytes
-            if pending and written:
-                pending[0] = pending[0][written:]
-    finally:
-        for view in pending:  # as in _read_into
-            view.release()
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        _unlink_quiet(path)

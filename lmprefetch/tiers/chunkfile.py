@@ -1,0 +1,306 @@
+"""The chunk-file format of the disk tier, and its synchronous file I/O.
+
+Every chunk lives in its own file ``<key.to_string()>.kv`` under the tier's directory.  A file is
+a fixed-size header followed by the payload:
+
+===========  =====  ===========================================================================
+offset       bytes  field (integers little-endian)
+===========  =====  ===========================================================================
+0            8      magic ``b"LMPFKV1\\0"``
+8            4      format version (``1``)
+12           4      header size in bytes (``4096``)
+16           8      payload length in bytes
+24           8      xxh3-64 of the payload
+32           4      length ``n`` of the key string in bytes
+36           n      the key string (``ChunkKey.to_string()``, UTF-8)
+36 + n       ...    zero padding up to 4096
+4096         len    the payload
+===========  =====  ===========================================================================
+
+The key string in the header means a file can never be taken for another key (a file copied or
+renamed by hand is a miss, not wrong data); the checksum means a torn or bit-flipped payload is a
+miss, never garbage handed to the model (LMCache's disk backend returns normally from a missing
+file, leaving the buffer unread, D17).  The header is a whole page so that with ``O_DIRECT`` the
+payload starts block-aligned and is read straight into an arena slot.
+
+Everything here is synchronous and runs in worker threads only (the disk tier calls it through
+``trio.to_thread.run_sync``); nothing here knows about Trio.  Reads verify the key and the
+checksum and raise a :class:`ChunkMiss` subclass for anything that is not exactly the chunk
+asked for; writes go to a temporary file that is renamed over the final name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import struct
+import tempfile
+
+import xxhash
+
+from ..keys import ChunkKey
+
+__all__ = [
+    "FILE_SUFFIX",
+    "HEADER_BYTES",
+    "MAGIC",
+    "TEMP_SUFFIX",
+    "VERSION",
+    "ChunkMiss",
+    "DirectUnsupported",
+    "FileCorrupt",
+    "FileMissing",
+    "TooLarge",
+    "read_buffered",
+    "read_direct",
+    "scan_dir",
+    "unlink_all",
+    "unlink_quiet",
+    "write_file",
+]
+
+#: First bytes of every chunk file.
+MAGIC = b"LMPFKV1\0"
+#: Chunk file format version.
+VERSION = 1
+#: Size of the header before the payload: one page, so an ``O_DIRECT`` payload is aligned.
+HEADER_BYTES = 4096
+#: magic, version, header size, payload length, xxh3-64 of the payload, key string length.
+HEADER = struct.Struct("<8sIIQQI")
+MAX_KEY_BYTES = HEADER_BYTES - HEADER.size
+#: ``O_DIRECT`` needs block-aligned memory, offsets and lengths; a page covers every block size.
+ALIGN = 4096
+O_DIRECT_FLAG: int = getattr(os, "O_DIRECT", 0)
+
+FILE_SUFFIX = ".kv"
+TEMP_SUFFIX = ".kv.tmp"
+
+
+# -- what a chunk read can find (raised in the reading thread) -------------------------------
+class ChunkMiss(Exception):
+    """The chunk cannot be loaded from its file; the load stops here."""
+
+
+class FileMissing(ChunkMiss):
+    """No file under the key's name."""
+
+
+class FileCorrupt(ChunkMiss):
+    """The file is not a valid chunk file for this key (it has been unlinked)."""
+
+
+class TooLarge(ChunkMiss):
+    """A valid file whose payload does not fit the destination buffer (the file is kept)."""
+
+
+class DirectUnsupported(Exception):
+    """``O_DIRECT`` was refused (``EINVAL``): read this chunk, and all later ones, buffered."""
+
+
+def scan_dir(path: str) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
+    """Create ``path`` if needed; ``([(mtime_ns, key, file_bytes)], foreign, stale_temps)``.
+    Temporary files of interrupted writes are deleted.
+
+    Raises:
+        ValueError: ``path`` cannot be created, is not a directory, or is not writable (the
+            message starts with ``disk_path``, the setting to fix).
+    """
+    check_writable_dir(path)
+    found: list[tuple[int, ChunkKey, int]] = []
+    foreign = stale = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
+                unlink_quiet(entry.path)
+                stale += 1
+                continue
+            key = parse_name(name)
+            if key is None or not entry.is_file(follow_symlinks=False):
+                foreign += 1
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # deleted while we looked
+                continue
+            found.append((st.st_mtime_ns, key, st.st_size))
+    return found, foreign, stale
+
+
+def check_writable_dir(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"disk_path: {path!r} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"disk_path: cannot create the directory {path!r} ({exc.strerror})"
+        ) from None
+    # Permission bits say little (root ignores them; a read-only mount ignores them the other
+    # way), so write a probe file, the way the tier itself will write.
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, suffix=TEMP_SUFFIX)
+    except OSError as exc:
+        raise ValueError(f"disk_path: {path!r} is not writable ({exc.strerror})") from None
+    os.close(fd)
+    unlink_quiet(probe)
+
+
+def parse_name(name: str) -> ChunkKey | None:
+    if not name.endswith(FILE_SUFFIX):
+        return None
+    text = name[: -len(FILE_SUFFIX)]
+    try:
+        key = ChunkKey.from_string(text)
+    except ValueError:
+        return None
+    # Only the canonical spelling is ours: two names must never map to one key.
+    return key if key.to_string() == text else None
+
+
+def address(view: memoryview) -> int:
+    """The memory address of ``view``'s first byte (it must be writable)."""
+    return ctypes.addressof((ctypes.c_char * 1).from_buffer(view))
+
+
+def read_buffered(path: str, key_bytes: bytes, slot: memoryview) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _read_fd(fd, key_bytes, slot, bytearray(HEADER_BYTES), direct=False)
+    finally:
+        os.close(fd)
+
+
+def read_direct(path: str, key_bytes: bytes, slot: memoryview) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT_FLAG)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise DirectUnsupported from None
+        raise
+    try:
+        # The header lands in its own page-aligned page (anonymous mmap memory).
+        with mmap.mmap(-1, HEADER_BYTES) as header_page, memoryview(header_page) as header:
+            try:
+                return _read_fd(fd, key_bytes, slot, header, direct=True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        # (Raised out here, once the page is unmapped: a misaligned read refused.)
+        raise DirectUnsupported
+    finally:
+        os.close(fd)
+
+
+def _read_fd(
+    fd: int, key_bytes: bytes, slot: memoryview, header: memoryview | bytearray, *, direct: bool
+) -> int:
+    """Read header and payload of the open chunk file ``fd``; verify; the payload length."""
+    file_bytes = os.fstat(fd).st_size
+    payload_bytes = file_bytes - HEADER_BYTES
+    if payload_bytes < 0:
+        raise FileCorrupt(f"{file_bytes} bytes, shorter than the header")
+    if payload_bytes > slot.nbytes:
+        # Too large for the buffer, or a damaged length: read the header to tell which.
+        if _read_into(fd, [header], HEADER_BYTES) < HEADER_BYTES:
+            raise FileCorrupt("short read of the header")
+        _check_header(header, key_bytes, payload_bytes)
+        raise TooLarge(f"a {payload_bytes}-byte payload for a {slot.nbytes}-byte buffer")
+    # O_DIRECT reads whole blocks; the read stops at the end of the file.
+    want = -(-payload_bytes // ALIGN) * ALIGN if direct else payload_bytes
+    with slot[:want] as dst:
+        got = _read_into(fd, [header, dst], file_bytes)
+    if got < file_bytes:
+        raise FileCorrupt("short read (the file shrank)")
+    checksum = _check_header(header, key_bytes, payload_bytes)
+    with slot[:payload_bytes] as payload:
+        if xxhash.xxh3_64_intdigest(payload) != checksum:
+            raise FileCorrupt("payload checksum mismatch")
+    return payload_bytes
+
+
+def _check_header(header: memoryview | bytearray, key_bytes: bytes, payload_bytes: int) -> int:
+    """Verify ``header`` against the expected key and the payload length found; its checksum."""
+    magic, version, header_bytes, length, checksum, key_len = HEADER.unpack_from(header, 0)
+    if magic != MAGIC:
+        raise FileCorrupt("not a chunk file (bad magic)")
+    if version != VERSION or header_bytes != HEADER_BYTES:
+        raise FileCorrupt(f"unknown format version {version} / header size {header_bytes}")
+    start = HEADER.size
+    if key_len != len(key_bytes) or bytes(header[start : start + key_len]) != key_bytes:
+        raise FileCorrupt("the file holds another key")
+    if length != payload_bytes:
+        raise FileCorrupt(f"header says {length} payload bytes, the file holds {payload_bytes}")
+    return int(checksum)
+
+
+def _read_into(fd: int, views: list[memoryview | bytearray], expected: int) -> int:
+    """``preadv`` from offset 0 until ``expected`` bytes arrived, the views are full or the
+    file ended; the number of bytes read."""
+    pending = [memoryview(view) for view in views]
+    got = 0
+    try:
+        while pending and got < expected:
+            n = os.preadv(fd, pending, got)
+            if n == 0:
+                break
+            got += n
+            # Rare: a read cut short.  Go on after what arrived.
+            while pending and n >= pending[0].nbytes:
+                n -= pending.pop(0).nbytes
+            if pending and n:
+                pending[0] = pending[0][n:]
+        return got
+    finally:
+        # Release at once, not when a traceback holding this frame dies: a live view keeps
+        # the memory it points into (an mmap) from being closed.
+        for view in pending:
+            view.release()
+
+
+def write_file(final: str, temp: str, key_bytes: bytes, payload: memoryview) -> None:
+    """Write a chunk file to ``temp``, then rename it over ``final`` (atomic)."""
+    header = bytearray(HEADER_BYTES)
+    HEADER.pack_into(
+        header, 0, MAGIC, VERSION, HEADER_BYTES, payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload), len(key_bytes),
+    )
+    header[HEADER.size : HEADER.size + len(key_bytes)] = key_bytes
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            _write_all(fd, [memoryview(header), payload])
+        finally:
+            os.close(fd)
+        os.replace(temp, final)
+    except BaseException:
+        unlink_quiet(temp)
+        raise
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    pending = [memoryview(view) for view in views]
+    try:
+        while pending:
+            written = os.writev(fd, pending)
+            while pending and written >= pending[0].nbytes:
+                written -= pending.pop(0).nbytes
+            if pending and written:
+                pending[0] = pending[0][written:]
+    finally:
+        for view in pending:  # as in _read_into
+            view.release()
+
+
+def unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        unlink_quiet(path)
