@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from lmprefetch.bench_engine import format_report, run
+from lmprefetch.bench.engine import format_report, run
 
 
 def main(argv: list[str]) -> int:

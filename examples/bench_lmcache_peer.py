@@ -30,7 +30,7 @@ What is measured on the LMCache side (CPU only: no vLLM, no GPU, no ZeroMQ):
 * LMCache's logging is set to WARNING (``LMCACHE_LOG_LEVEL``; its INFO line per answer would
   cost it time) and usage telemetry is off (``LMCACHE_TRACK_USAGE=false``, ``DO_NOT_TRACK=1``).
 
-lmprefetch's side is :func:`lmprefetch.bench_engine.run`: ``Engine.lookup_and_prefetch`` plus
+lmprefetch's side is :func:`lmprefetch.bench.engine.run`: ``Engine.lookup_and_prefetch`` plus
 the ``claim`` block that releases the result, on the same machine in the same process.
 """
 
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print("lmcache is not installed: nothing to compare (nox -s lmcache installs it)")
         return 0
 
-    from lmprefetch.bench_engine import run
+    from lmprefetch.bench.engine import run
 
     ours = run(args.chunks, args.chunk_bytes, args.repeats)
     lmc = run_lmcache(args.chunks, args.chunk_bytes, args.repeats)

@@ -106,9 +106,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from . import bench_engine
+    from .bench import engine
 
-    return bench_engine.main(args)
+    return engine.main(args)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(b)
     b.set_defaults(func=_bench)
 
-    from .bench_engine import add_arguments as add_engine_arguments
+    from .bench.engine import add_arguments as add_engine_arguments
 
     e = sub.add_parser("bench-engine", help="the engine alone vs the raw read of its files")
     add_engine_arguments(e)

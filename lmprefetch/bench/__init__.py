@@ -1,0 +1,21 @@
+"""The benchmarks that ship with lmprefetch (they must run after ``pip install``).
+
+* ``lmprefetch bench`` — the main job, the whole system (worker processes, lookups over ipc,
+  a chat workload with aborts): :mod:`.system`, with its workload (:mod:`.workload`), the
+  processes it starts (:mod:`.processes`), its measurements (:mod:`.measure`) and its report
+  (:mod:`.report`).
+* ``lmprefetch bench-engine`` — the engine alone against the raw read of its files:
+  :mod:`.engine`.
+
+Every figure is printed beside the peer or the physical limit measured in the same run.  The
+command line imports these modules lazily, so ``lmprefetch worker`` never pays for them.
+"""
+
+from __future__ import annotations
+
+from .system import BenchOptions as BenchOptions
+from .system import add_arguments as add_arguments
+from .system import main as main
+from .system import run_bench as run_bench
+
+__all__ = ["BenchOptions", "add_arguments", "main", "run_bench"]

@@ -1,0 +1,335 @@
+"""The measurements of ``lmprefetch bench``: round trips, scheduler costs, throughput, the chat
+replay, raw read bandwidth, and the transport breakdown."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..client import LookupClient
+from ..config import PrefetchConfig
+from .processes import echo_main, trio_echo_main, worker_main
+from .workload import BenchOptions, Workload
+
+__all__ = [
+    "Progress",
+    "endpoint_for",
+    "free_tcp_endpoint",
+    "measure_miss_rtt",
+    "measure_miss_throughput",
+    "measure_raw_rtt",
+    "measure_submit_and_poll",
+    "measure_transport",
+    "percentile",
+    "raw_read_gbps",
+    "replay",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+# -- measurements -----------------------------------------------------------------------
+def endpoint_for(opts: BenchOptions, name: str) -> str:
+    if opts.transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    return f"ipc://@lmprefetch-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
+
+
+def free_tcp_endpoint() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def measure_raw_rtt(
+    opts: BenchOptions, ctx: mp.context.SpawnContext, peers: int = 1, *, trio_echo: bool = False
+) -> float:
+    """Median round trip to ``peers`` echo processes (send to all, wait all): blocking pyzmq,
+    or (``trio_echo``) lmprefetch's Trio-native sockets."""
+    procs = []
+    zctx = zmq.Context()
+    if opts.transport == "tcp":
+        back = free_tcp_endpoint()
+        fronts = [free_tcp_endpoint() for _ in range(peers)]
+    else:
+        back = endpoint_for(opts, "echo-back")
+        fronts = [endpoint_for(opts, f"echo-{i}") for i in range(peers)]
+    pull = zctx.socket(zmq.PULL)
+    pull.bind(back)
+    pushes = []
+    try:
+        for front in fronts:
+            target = trio_echo_main if trio_echo else echo_main
+            p = ctx.Process(target=target, args=(front, back), daemon=True)
+            p.start()
+            procs.append(p)
+            s = zctx.socket(zmq.PUSH)
+            s.connect(front)
+            pushes.append(s)
+        msg = b"x" * 64
+        samples = []
+        for i in range(opts.rtt_samples + 100):
+            t0 = time.perf_counter()
+            for s in pushes:
+                s.send(msg)
+            for _ in pushes:
+                pull.recv()
+            if i >= 100:
+                samples.append(time.perf_counter() - t0)
+        for s in pushes:
+            s.send(b"stop")
+        return statistics.median(samples)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+        for s in pushes:
+            s.close(0)
+        pull.close(0)
+        zctx.term()
+
+
+def measure_miss_rtt(client: LookupClient, n: int, rng: random.Random) -> dict[str, float]:
+    """Full-miss lookups one at a time: the median time from ``lookup()`` until the answer is
+    in the client's table (what the scheduler's next poll sees), and until a thread blocked
+    in ``wait()`` has woken up with it."""
+    visible, woken = [], []
+    for i in range(n + 100):
+        lid = f"rtt-{i}"
+        hashes = [rng.getrandbits(64)]
+        t0 = time.perf_counter()
+        client.lookup(lid, (), hashes=hashes, offsets=[1])
+        result = client.wait(lid, 5.0)
+        dt = time.perf_counter() - t0
+        timing = client.timing(lid)
+        if result is None or timing is None or timing[1] is None:
+            raise RuntimeError("a miss lookup was not answered within 5 s")
+        client.forget(lid)
+        if i >= 100:
+            woken.append(dt)
+            visible.append(timing[1] - timing[0])
+    return {"visible": statistics.median(visible), "woken": statistics.median(woken)}
+
+
+def measure_submit_and_poll(config: PrefetchConfig, opts: BenchOptions) -> dict[str, float]:
+    """Submit and pending-poll cost on a client whose (absent) worker never answers."""
+    dead = endpoint_for(opts, "nobody") if opts.transport == "ipc" else free_tcp_endpoint()
+    resp = endpoint_for(opts, "dead-resp") if opts.transport == "ipc" else "tcp://127.0.0.1:0"
+    cfg = config.replace(lookup_timeout_s=3600.0)
+    prompt = list(range(128 * config.chunk_size))
+    with LookupClient(cfg, [dead], resp) as client:
+        n = 2000
+        t0 = time.perf_counter()
+        for i in range(n):
+            client.lookup(f"s{i}", prompt)
+        submit = (time.perf_counter() - t0) / n
+        polls = 200_000
+        lookup = client.lookup
+        t0 = time.perf_counter()
+        for _ in range(polls):
+            lookup("s0", prompt)
+        poll = (time.perf_counter() - t0) / polls
+        for i in range(n):
+            client.cancel(f"s{i}")
+    return {"submit_us": submit * 1e6, "poll_us": poll * 1e6}
+
+
+def measure_miss_throughput(client: LookupClient, n: int, rng: random.Random) -> float:
+    """Full-miss lookups per second per worker, pipelined in windows under the socket HWM."""
+    window = 2000
+    batches = [
+        [(f"tp-{i}", [rng.getrandbits(64)]) for i in range(start, min(n, start + window))]
+        for start in range(0, n, window)
+    ]
+    t0 = time.perf_counter()
+    for batch in batches:
+        for lid, hashes in batch:
+            client.lookup(lid, (), hashes=hashes, offsets=[1])
+        # Answers come back in order: wait for the last, then collect every one.
+        if client.wait(batch[-1][0], 10.0) is None:
+            raise RuntimeError("a pipelined miss lookup was not answered")
+        for lid, _ in batch:
+            if client.lookup(lid, ()) is None and client.wait(lid, 10.0) is None:
+                raise RuntimeError("a pipelined miss lookup was not answered")
+            client.forget(lid)
+    return n / (time.perf_counter() - t0)
+
+
+class Progress:
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            frac = self.done / max(1, self.total)
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label:<10} [{bar:<30}] {frac:6.1%}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def replay(
+    client: LookupClient, workload: Workload, opts: BenchOptions, rng: random.Random
+) -> dict[str, Any]:
+    """Replay the chat lookups with ``concurrency`` in flight and random aborts."""
+    todo = list(enumerate(workload.lookups))
+    pending: dict[str, tuple[int, list[int]]] = {}
+    latencies: list[float] = []
+    hit_tokens = total_tokens = aborted = timeouts = 0
+    progress = Progress(len(todo), "replay", opts.progress)
+    t_start = time.perf_counter()
+    while todo or pending:
+        while todo and len(pending) < opts.concurrency:
+            i, prompt = todo.pop(0)
+            lid = f"chat-{i}"
+            client.lookup(lid, prompt)
+            if rng.random() < opts.abort_ratio:
+                client.cancel(lid)  # the user went away while the lookup was pending
+                aborted += 1
+                progress.step()
+                continue
+            pending[lid] = (i, prompt)
+        oldest = next(iter(pending), None)
+        if oldest is None:
+            continue
+        client.wait(oldest, 0.05)  # the "model step" between scheduler polls
+        for lid, (_, prompt) in list(pending.items()):
+            result = client.lookup(lid, prompt)
+            if result is None:
+                continue
+            timing = client.timing(lid)
+            if timing is not None and timing[1] is not None:
+                latencies.append(timing[1] - timing[0])
+            else:
+                timeouts += 1
+            n_full = len(prompt) // opts.chunk_size * opts.chunk_size
+            hit_tokens += result
+            total_tokens += n_full
+            client.forget(lid)
+            client.cancel(lid)  # the request finished: release what the workers hold
+            del pending[lid]
+            progress.step()
+    elapsed = time.perf_counter() - t_start
+    latencies.sort()
+    return {
+        "lookups": len(workload.lookups),
+        "aborted": aborted,
+        "timeouts": timeouts,
+        "elapsed_s": elapsed,
+        "latency_p50_ms": percentile(latencies, 50) * 1e3,
+        "latency_p99_ms": percentile(latencies, 99) * 1e3,
+        "latencies_ms": [x * 1e3 for x in latencies],
+        "hit_ratio": hit_tokens / total_tokens if total_tokens else 0.0,
+        "hit_tokens": hit_tokens,
+        "prompt_tokens": total_tokens,
+    }
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float:
+    if not sorted_values:
+        return math.nan
+    k = min(len(sorted_values) - 1, max(0, math.ceil(p / 100 * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+def raw_read_gbps(disk_dirs: Sequence[Path], max_bytes: int = 256 * MiB) -> dict[str, float]:
+    """Read the disk tiers' chunk files (page cache) as plainly as possible: ``preadv`` of
+    each whole file into its own page-aligned buffer (a prefetch needs one buffer per chunk),
+    and the same followed by the xxh3 check a verified read must make.  GB/s of each."""
+    import mmap
+
+    import xxhash
+
+    files = [p for d in disk_dirs for p in sorted(d.glob("*.kv"))][:256]
+    if not files:
+        return {"raw": math.nan, "verified": math.nan}
+    size = max(p.stat().st_size for p in files)
+    n_slots = max(1, min(len(files), max_bytes // size))
+    area = mmap.mmap(-1, size * n_slots)
+    whole = memoryview(area)
+    slots = [whole[i * size : (i + 1) * size] for i in range(n_slots)]
+
+    def read_all(verify: bool) -> float:
+        total = 0
+        t0 = time.perf_counter()
+        for i, p in enumerate(files):
+            slot = slots[i % n_slots]
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                n = os.preadv(fd, [slot], 0)
+            finally:
+                os.close(fd)
+            if verify:
+                xxhash.xxh3_64_intdigest(slot[:n])
+            total += n
+        return total / (time.perf_counter() - t0) / 1e9
+
+    try:
+        read_all(False)  # warm the page cache like the engine's reads found it
+        return {"raw": read_all(False), "verified": read_all(True)}
+    finally:
+        for slot in slots:
+            slot.release()
+        whole.release()
+        area.close()
+
+
+def measure_transport(
+    config: PrefetchConfig, opts: BenchOptions, ctx: mp.context.SpawnContext, rng: random.Random
+) -> dict[str, float]:
+    """Round trip and throughput against one dedicated, otherwise idle worker process, beside
+    the raw pyzmq round trip to one echo process: the same shape, so the ratio is fair."""
+    if opts.transport == "tcp":
+        req, resp = free_tcp_endpoint(), free_tcp_endpoint()
+    else:
+        req, resp = endpoint_for(opts, "t-w"), endpoint_for(opts, "t-sched")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=worker_main,
+        args=(child, config.to_dict(), 0, 1, req, resp, asdict(opts), False),
+        daemon=True,
+    )
+    proc.start()
+    out: dict[str, float] = {}
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the transport worker did not start")
+        parent.recv()
+        with LookupClient(config, [req], resp) as client:
+            out["raw_rtt_us"] = measure_raw_rtt(opts, ctx, peers=1) * 1e6
+            out["trio_echo_rtt_us"] = measure_raw_rtt(opts, ctx, peers=1, trio_echo=True) * 1e6
+            rtt = measure_miss_rtt(client, opts.rtt_samples, rng)
+            out["miss_rtt_us"] = rtt["visible"] * 1e6
+            out["miss_rtt_woken_us"] = rtt["woken"] * 1e6
+            out["miss_rtt_ratio"] = out["miss_rtt_us"] / out["raw_rtt_us"]
+            out["miss_lookups_per_s_per_worker"] = measure_miss_throughput(
+                client, opts.miss_lookups, rng
+            )
+        parent.send(("stop", None))
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.terminate()
+    return out

@@ -1,0 +1,200 @@
+"""``lmprefetch bench``: the whole system under a synthetic multi-turn chat workload.
+
+What it does, in one run:
+
+1. Starts ``--workers`` worker processes (one per rank), each a :class:`WorkerRuntime` with CPU
+   and disk tiers (the disk tier in a temporary directory), serving lookups over ipc.
+2. Each rank stores the chunks of the "warm" conversations (their history so far), as a model
+   step would after computing them, and waits for its disk write-behind to finish.  The
+   workload is larger than the CPU tier, so older chunks are only on disk.
+3. Measures, against the same processes and transport:
+
+   * the raw pyzmq round trip to as many echo processes as there are workers (the physical
+     limit of the transport), and the full-miss lookup round trip, as a ratio;
+   * the scheduler's submit cost (a 128-chunk prompt) and pending-poll cost;
+   * full-miss lookups per second per worker (pipelined);
+   * the chat replay: concurrent lookups with random aborts; lookup latency p50/p99, hit
+     ratio, and per-tier prefetch GB/s beside the raw read bandwidth of the same disk files;
+   * cancel of an in-flight disk prefetch → everything released;
+   * a final leak check: every worker idle, with zero pins, zero held lookups and the
+     arena holding exactly the CPU tier.
+
+``--json`` prints the results as JSON; ``--plot FILE.png`` draws latency and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import random
+import tempfile
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from ..client import LookupClient
+from ..config import PrefetchConfig
+from .measure import (
+    Progress,
+    endpoint_for,
+    free_tcp_endpoint,
+    measure_submit_and_poll,
+    measure_transport,
+    percentile,
+    raw_read_gbps,
+    replay,
+)
+from .processes import worker_main
+from .report import format_report, plot
+from .workload import BenchOptions, make_workload
+
+__all__ = ["BenchOptions", "add_arguments", "main", "run_bench"]
+
+# -- the whole run ----------------------------------------------------------------------
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    rng = random.Random(opts.seed + 1)
+    results: dict[str, Any] = {"options": {k: v for k, v in asdict(opts).items()}}
+    with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-") as tmp:
+        base = PrefetchConfig(
+            chunk_size=opts.chunk_size,
+            chunk_bytes=opts.chunk_bytes,
+            cpu_bytes=opts.cpu_bytes,
+            lookup_timeout_s=10.0,
+            claim_ttl_s=30.0,
+        )
+        if opts.transport == "tcp":
+            resp = free_tcp_endpoint()
+            worker_eps = [free_tcp_endpoint() for _ in range(opts.workers)]
+        else:
+            resp = endpoint_for(opts, "scheduler")
+            worker_eps = [endpoint_for(opts, f"w{r}") for r in range(opts.workers)]
+        disk_dirs = [Path(tmp) / f"rank{r}" for r in range(opts.workers)]
+        procs = []
+        conns: list[Connection] = []
+        client = LookupClient(base, worker_eps, resp)
+        try:
+            progress = Progress(opts.workers, "start", opts.progress)
+            for r in range(opts.workers):
+                cfg = base.replace(disk_path=str(disk_dirs[r]), disk_bytes=4 << 30)
+                parent, child = ctx.Pipe()
+                p = ctx.Process(
+                    target=worker_main,
+                    args=(child, cfg.to_dict(), r, opts.workers, worker_eps[r], resp, asdict(opts)),
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+                conns.append(parent)
+            for conn in conns:
+                if not conn.poll(600):
+                    raise RuntimeError("a worker did not get ready within 600 s")
+                _tag, info = conn.recv()
+                results.setdefault("workers_ready", []).append(info)
+                progress.step()
+            results.update(measure_transport(base, opts, ctx, rng))
+            results.update(measure_submit_and_poll(base, opts))
+            workload = make_workload(opts)
+            results["replay"] = replay(client, workload, opts, rng)
+            for conn in conns:
+                conn.send(("cancel_probe", 20))
+            cancel_samples = [x for conn in conns for x in conn.recv()]
+            results["cancel_release_ms_p50"] = percentile(sorted(cancel_samples), 50) * 1e3
+            results["cancel_release_ms_max"] = max(cancel_samples, default=math.nan) * 1e3
+            # Leak check: every worker idle, nothing pinned or held.
+            finals = []
+            for conn in conns:
+                conn.send(("wait_idle", 30.0))
+                finals.append(conn.recv())
+            results["workers"] = finals
+            results["leak_free"] = all(
+                f["idle"]
+                and f["pinned_chunks"] == 0
+                and f["held_lookups"] == 0
+                and f["limiter_used"] == 0
+                and f["arena_used_bytes"] == f["cpu_resident_bytes"]
+                for f in finals
+            )
+            tiers: dict[str, dict[str, float]] = {}
+            for f in finals:
+                for name, t in f["tiers"].items():
+                    agg = tiers.setdefault(name, {"bytes_loaded": 0.0, "busy_seconds": 0.0})
+                    agg["bytes_loaded"] += t["bytes_loaded"]
+                    agg["busy_seconds"] += t.get("busy_seconds", 0.0)
+            # Throughput while the tier was loading (wall time with at least one load in
+            # flight, per worker, summed over workers).
+            results["tier_gbps"] = {
+                name: (t["bytes_loaded"] / t["busy_seconds"] / 1e9 if t["busy_seconds"] else None)
+                for name, t in tiers.items()
+            }
+            results["tier_bytes_loaded"] = {n: t["bytes_loaded"] for n, t in tiers.items()}
+            raw = raw_read_gbps(disk_dirs)
+            results["raw_disk_read_gbps"] = raw["raw"]
+            results["raw_disk_read_verified_gbps"] = raw["verified"]
+        finally:
+            client.close()
+            for conn in conns:
+                try:
+                    conn.send(("stop", None))
+                except (BrokenPipeError, OSError):
+                    pass
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+    return results
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BenchOptions()
+    p.add_argument("--workers", type=int, default=d.workers, help="worker processes (ranks)")
+    p.add_argument("--conversations", type=int, default=d.conversations)
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--abort-ratio", type=float, default=d.abort_ratio)
+    p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
+    p.add_argument("--cpu-bytes", type=int, default=d.cpu_bytes)
+    p.add_argument("--miss-lookups", type=int, default=d.miss_lookups)
+    p.add_argument("--rtt-samples", type=int, default=d.rtt_samples)
+    p.add_argument("--transport", choices=["ipc", "tcp"], default=d.transport)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a latency/throughput figure")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = BenchOptions(
+        workers=args.workers,
+        conversations=args.conversations,
+        turns=args.turns,
+        repeats=args.repeats,
+        concurrency=args.concurrency,
+        abort_ratio=args.abort_ratio,
+        chunk_bytes=args.chunk_bytes,
+        cpu_bytes=args.cpu_bytes,
+        miss_lookups=args.miss_lookups,
+        rtt_samples=args.rtt_samples,
+        transport=args.transport,
+        seed=args.seed,
+        json=args.json,
+        plot=args.plot,
+        progress=not args.no_progress and not args.json,
+    )
+    results = run_bench(opts)
+    if opts.plot:
+        plot(results, opts.plot)
+    if opts.json:
+        out = dict(results)
+        out["replay"] = {k: v for k, v in results["replay"].items() if k != "latencies_ms"}
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(format_report(results))
+        if opts.plot:
+            print(f"  figure written to {opts.plot}")
+    return 0 if results["leak_free"] else 1
