@@ -526,7 +526,7 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
 def test_an_answer_too_old_to_trust_is_looked_up_again(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lmprefetch.integration.vllm as connector_module
+    import lmprefetch.integration.vllm.scheduler as connector_module
 
     h = make_harness(extra={"claim_ttl_s": 10})
     prompt = tokens_of(17, 64)

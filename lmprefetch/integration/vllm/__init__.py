@@ -1,0 +1,92 @@
+"""The vLLM v1 KV connector: lmprefetch's lookups and prefetches inside vLLM (0.32).
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "LMPrefetchConnector",
+                           "kv_connector_module_path": "lmprefetch.integration.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"chunk_size": 256, "disk_path": "/cache"}}'
+
+``kv_connector_extra_config`` takes :class:`~lmprefetch.config.PrefetchConfig` field names, and
+optionally ``config_file`` (a TOML file read with :meth:`PrefetchConfig.from_file`; the other
+keys override it).  Fields left unset are derived from vLLM: ``model_name`` (the model path),
+``kv_dtype`` (the KV cache tensors' dtype), ``chunk_bytes`` (exactly one chunk's payload) and, in
+layerwise mode, ``num_layers``.  ``chunk_size`` must be a multiple of vLLM's block size.
+
+How one request travels
+-----------------------
+vLLM builds this class twice.  The **scheduler-side** instance (in the engine-core process)
+owns a :class:`~lmprefetch.client.LookupClient`; every **worker-side** instance (one per
+tensor × pipeline parallel rank) owns a :class:`~lmprefetch.runtime.WorkerRuntime`, which binds
+that rank's lookup endpoint.  Endpoints are abstract ipc names derived from vLLM's
+``kv_transfer_config.engine_id`` (unique per engine, ``_dp<k>`` appended per data-parallel
+rank), so no configuration is needed and nothing is left on disk.
+
+1. ``on_new_request``: the prompt is hashed once (:class:`~lmprefetch.hashing.ChunkHasher`;
+   the same hashes later check the claimed chunks and name the saved ones) and the lookup
+   starts at once, before the request can be scheduled, with ``skip_tokens`` = vLLM's own
+   prefix-cache hit at that moment, read side-effect free from the cache manager and rounded
+   down to whole chunks (workers count those chunks as hit and neither probe nor load them).
+2. ``get_num_new_matched_tokens`` polls the client (a dict read; never blocks): ``(None, False)``
+   while pending.  Once answered it returns the hit past vLLM's own (block-aligned) hit,
+   keeping at least one token to compute.  If vLLM's hit has meanwhile *shrunk* below the
+   skipped prefix (its blocks were evicted), the answer would leave a gap, so the lookup is
+   restarted with the smaller skip; likewise when a lookup started so long ago (half of
+   ``claim_ttl_s``) that the workers may have released it.  Loads are synchronous
+   (``load_kv_async=False``): the data is already in host memory when the lookup answers.
+3. ``update_state_after_alloc`` decides from ``num_external_tokens``: a load is planned and the
+   client ``forget``\\ s the id (workers keep the prefetch for the claim), or nothing is loaded
+   and a held prefetch is cancelled.
+4. ``build_connector_meta`` sends per-request :class:`LoadSpec`\\ s and :class:`SaveSpec`\\ s.
+   ``start_load_kv`` (before the forward) claims each request's chunks and copies them into the
+   paged KV cache with one ``index_copy_`` per (chunk, layer); ``wait_for_save`` (after the
+   forward) copies each newly completed prompt chunk out of the paged cache and stores it
+   (CPU tier now, disk/remote write-behind inside the runtime).
+5. A short or failed claim is reported through ``get_block_ids_with_load_errors``; with
+   ``kv_load_failure_policy="recompute"`` vLLM recomputes those blocks (under vLLM's default,
+   ``"fail"``, such a request ends with an error: set ``recompute`` for a best-effort cache).
+6. ``request_finished`` cancels whatever is still outstanding for the id (a pending lookup, a
+   held prefetch), so aborted requests release worker memory at once; it returns ``False``:
+   saves finish inside the step, no block outlives the request.
+7. Preemption: the request comes back to ``get_num_new_matched_tokens`` with its answer already
+   consumed; the id is forgotten and a fresh lookup (over prompt and output tokens) starts.
+
+The chunk payload (one key's bytes, for this rank)
+--------------------------------------------------
+Chunk ``c`` covers tokens ``[c*chunk_size, (c+1)*chunk_size)``, i.e. vLLM blocks
+``[c*B, (c+1)*B)`` with ``B = chunk_size // block_size``.  Its payload is, for each KV-cache
+layer in sorted layer-name order, the raw bytes of that layer's rows of those blocks, block
+after block; a row is everything one block holds for one layer in vLLM's tensor (K and V, all
+of this rank's heads), in the tensor's logical element order.  So a payload is
+``rows * sum(row_bytes)`` bytes, layer-major; in layerwise mode part ``l`` is layer ``l``.
+A trailing partial chunk (``save_partial_chunks``) has ``ceil(tokens / block_size)`` rows.
+
+Requests that are never looked up nor saved
+-------------------------------------------
+Requests with a LoRA adapter, a ``cache_salt``, multimodal inputs or prompt embeddings: their
+KV depends on more than the token ids, which is all a chunk hash covers.  Requests that skip
+prefix-cache reads (e.g. prompt logprobs) are saved but not looked up.
+"""
+
+from __future__ import annotations
+
+from .config import endpoint_names as endpoint_names
+from .config import load_prefetch_config as load_prefetch_config
+from .connector import LMPrefetchConnector as LMPrefetchConnector
+from .layout import PagedKVLayout as PagedKVLayout
+from .metadata import LMPrefetchConnectorMetadata as LMPrefetchConnectorMetadata
+from .metadata import LMPrefetchConnectorStats as LMPrefetchConnectorStats
+from .metadata import LoadSpec as LoadSpec
+from .metadata import SaveSpec as SaveSpec
+
+__all__ = [
+    "LMPrefetchConnector",
+    "LMPrefetchConnectorMetadata",
+    "LMPrefetchConnectorStats",
+    "LoadSpec",
+    "PagedKVLayout",
+    "SaveSpec",
+    "endpoint_names",
+    "load_prefetch_config",
+]

@@ -1,0 +1,111 @@
+"""What the scheduler side sends the workers every step (pickled by vLLM), and the
+connector's stats."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+# -- metadata (scheduler → workers; pickled every step) ------------------------------------
+@dataclass
+class LoadSpec:
+    """Load tokens ``[start_token, end_token)`` of one request from its prefetched chunks.
+
+    ``first_chunk`` is the first chunk the lookup probed (the ones before it were skipped:
+    vLLM holds them); the claim yields chunks from there on.  ``chunk_hashes[i]`` is the hash
+    of chunk ``first_chunk + i`` (checked against the claimed keys).  ``block_ids`` are the
+    request's block ids from block 0, covering at least ``end_token`` tokens.
+    """
+
+    req_id: str
+    lookup_id: str
+    first_chunk: int
+    start_token: int
+    end_token: int
+    chunk_hashes: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Store chunks ``first_chunk …`` of one request, whose KV is complete after this step.
+
+    ``chunk_rows[i]`` is the number of blocks chunk ``first_chunk + i`` spans (fewer than
+    ``chunk_size // block_size`` only for a trailing partial chunk); ``block_ids`` are those
+    blocks, chunk after chunk.
+    """
+
+    req_id: str
+    first_chunk: int
+    chunk_hashes: list[int]
+    chunk_rows: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class LMPrefetchConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan: the loads to do before the forward, the saves after it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+# -- stats --------------------------------------------------------------------------------
+class LMPrefetchConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """Counters since the last collection, summed over the scheduler and every worker rank.
+
+    Scheduler side: ``lookups`` (started), ``lookup_hits`` (requests that loaded tokens),
+    ``hit_tokens`` (tokens loaded instead of computed), ``lookup_restarts``,
+    ``save_chunks_planned``.  Worker side (summed over ranks): ``loaded_chunks``,
+    ``loaded_bytes``, ``load_failures`` (requests whose claim came back short),
+    ``failed_blocks``, ``saved_chunks``, ``saved_bytes``, ``save_errors``.
+    """
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> LMPrefetchConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        lookups = self.data.get("lookups", 0)
+        if lookups:
+            out["hit_rate"] = round(self.data.get("lookup_hits", 0) / lookups, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class _Counters:
+    """Thread-safe counters that hand out a :class:`LMPrefetchConnectorStats` and reset."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, int] = {}
+        self._totals: dict[str, int] = {}
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._data[key] = self._data.get(key, 0) + n
+            self._totals[key] = self._totals.get(key, 0) + n
+
+    def take(self) -> LMPrefetchConnectorStats | None:
+        with self._lock:
+            data, self._data = self._data, {}
+        return LMPrefetchConnectorStats(data=data) if any(data.values()) else None
+
+    def totals(self) -> dict[str, int]:
+        """Counts since start (not reset by :meth:`take`)."""
+        with self._lock:
+            return dict(self._totals)
