@@ -1,7 +1,7 @@
 """lmprefetch: asynchronous, cancellation-correct KV-cache lookup and prefetch, on Trio.
 
-The public surface (DESIGN §3) is re-exported here; everything else is an implementation
-detail.
+The public surface is re-exported here (the API reference lists it); everything else is an
+implementation detail that may change between releases.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ task that waits for this state" bookkeeping which is easy to get wrong by hand w
 ``trio.Event`` objects (a new event per wait, a lost wake-up when it is replaced at the wrong
 moment).  It ships no type information, so the few methods used here get typed signatures;
 everything else stays inside this module.
+
+Cancellation follows trio-util: every wait is a checkpoint, cancellable like any other.
 """
 
 from __future__ import annotations

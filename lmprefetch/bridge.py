@@ -17,6 +17,9 @@ counters and the command queue, under one lock), and nothing else:
 Failure is never silent: if the bridge thread dies, the exception is logged with its traceback
 and stored in :attr:`ResultTable.failure`, which makes every later ``lookup`` raise.  A frame
 that does not decode can never kill it (it is counted as malformed).
+
+Cancellation does not apply here (no Trio): the bridge thread stops when the client posts
+``STOP`` (:meth:`LookupClient.close`, which joins it), or when the main thread has ended.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@
 * ``lmprefetch bench-engine`` — the engine alone: CPU hit, disk hit, miss and concurrent disk
   lookups, beside the raw read time of the same files.
 * ``lmprefetch worker`` — a standalone worker process serving lookups for one rank.
+
+Start-up errors (bad options, configuration, endpoints or ports in use) print one line naming
+the problem and exit with status 2; a worker that fails while running exits with status 1 after
+logging the traceback.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from a mapping (:meth:`PrefetchConfig.from_dict`), from a TOML file
 fails at start-up with a sentence a person can act on.
 
 Sizes are in bytes (``*_bytes``), durations in seconds (``*_s``).
+
+Nothing here does I/O except :meth:`PrefetchConfig.from_file` (one read at start-up).
 """
 
 from __future__ import annotations

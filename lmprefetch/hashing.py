@@ -8,6 +8,8 @@ depends on ``PYTHONHASHSEED``: the scheduler and every worker process compute th
 
 With ``save_partial_chunks=False`` (the default, LMCache's ``save_unfull_chunk=False``) a trailing
 chunk shorter than ``chunk_size`` is dropped: never stored, never looked up.
+
+Pure functions of their arguments: nothing here does I/O or awaits.
 """
 
 from __future__ import annotations

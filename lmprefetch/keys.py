@@ -5,6 +5,8 @@ outside layerwise mode.  Keys are per rank: the same prompt chunk has a differen
 tensor/pipeline-parallel rank, because every rank holds a different slice of the KV cache.  Every
 tier uses the same key and the same string form (:meth:`ChunkKey.to_string`), which is safe as a
 file name and as a Redis key.
+
+Pure functions of their arguments: nothing here does I/O or awaits.
 """
 
 from __future__ import annotations

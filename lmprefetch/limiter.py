@@ -144,6 +144,12 @@ class WeightedCapacityLimiter:
         finally:
             self.release(granted)
 
+    def __repr__(self) -> str:
+        return (
+            f"<WeightedCapacityLimiter {self._used}/{self._total} used, "
+            f"{len(self._waiters)} waiting>"
+        )
+
     def statistics(self) -> LimiterStatistics:
         return LimiterStatistics(
             total=self._total,

@@ -11,6 +11,10 @@ a loud bug, not a silent reuse of memory that is still indexed somewhere.
 
 Owner counts are guarded by one lock, so buffers may be released from the engine's worker
 thread (a model step leaving a claim block) as well as from the Trio thread.
+
+Cancellation: nothing here awaits, so nothing here can be cancelled.  Allocation and release
+are synchronous, which is what lets a ``finally`` block or an exit-stack callback release a
+buffer even while its task is being cancelled.
 """
 
 from __future__ import annotations
@@ -134,6 +138,12 @@ class Arena:
         # Pop from the end: the lowest slots are handed out first.
         self._free: list[Buffer] = list(reversed(self._all))
 
+
+    def __repr__(self) -> str:
+        return (
+            f"<Arena {self.num_slots} slots x {self.slot_bytes} bytes, "
+            f"{self.used_slots} used>"
+        )
     def allocate(self) -> Buffer | None:
         """A buffer with one owner, or ``None`` if every slot is in use (never waits)."""
         with self._lock:

@@ -5,6 +5,9 @@ at scrape time, so they can never drift from what the engine knows (LMCache's as
 reported zeros, D18).  Lookup latency is a histogram fed by the engine after every answer.
 Each worker gets its own :class:`~prometheus_client.CollectorRegistry`, so several engines in
 one process (tests, benchmarks) do not collide.
+
+The HTTP server runs in prometheus-client's own thread; a scrape reads the engine's stats
+through :meth:`WorkerRuntime.stats`, so it never touches engine state from another thread.
 """
 
 from __future__ import annotations

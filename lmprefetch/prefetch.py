@@ -807,7 +807,8 @@ class Engine:
         await self._tasks_alive.wait_value(_is_zero)  # always a checkpoint
 
     def is_idle(self) -> bool:
-        """Nothing in flight or held, and the conservation invariant (DESIGN §7) holds."""
+        """Nothing in flight or held, and the conservation invariant holds: no pin, no limiter
+        weight, and no arena byte outside the CPU tier."""
         s = self.stats()
         return bool(
             s["inflight_lookups"] == 0

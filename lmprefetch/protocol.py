@@ -36,6 +36,8 @@ that decodes but makes no sense (hashes and offsets of different lengths, an off
 a token count of 1 … 2**32-1, a bad ``skip_chunks``) is reported by :func:`validate_request`;
 the worker answers it 0.  An accepted request therefore always gets exactly one answer, and that
 answer always encodes.
+
+Nothing here does I/O or awaits: encoding and decoding are pure functions.
 """
 
 from __future__ import annotations

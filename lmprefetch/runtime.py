@@ -8,6 +8,11 @@ it to return).  The runtime runs :func:`~lmprefetch.prefetch.open_engine` (and, 
 Ownership across the thread boundary: :meth:`WorkerRuntime.claim` moves a held result out of the
 engine (on the Trio thread) to the caller, whose thread releases every buffer when the ``with``
 block exits (buffer releases are thread-safe).
+
+Cancellation: :meth:`WorkerRuntime.close` cancels every lookup (each releases what it owns),
+flushes pending disk and remote writes, and joins the thread.  A synchronous call that is
+waiting on the loop (``store``, ``lookup_and_prefetch``) cannot be interrupted from its own
+thread; it returns when the loop answers.
 """
 
 from __future__ import annotations

@@ -165,6 +165,9 @@ class BaseTier:
         self._pin_total = 0
         self.stats = TierStats()
 
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} pinned={self._pin_total}>"
+
     async def contains(self, key: ChunkKey) -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -5,6 +5,9 @@ tier.  A hit is zero-copy: :meth:`CpuTier.acquire` gives the lookup its own owne
 cached buffer, so a lookup, a claim and the cache all hold the same memory and each releases only
 its own reference (LMCache releases the cache's reference on cleanup too, D01).  A buffer with a
 pin or with any owner besides the cache is never evicted.
+
+Cancellation: the probe has one checkpoint, *before* it counts and pins (so a cancelled probe
+pins nothing); :meth:`CpuTier.acquire`, :meth:`CpuTier.put` and eviction are synchronous.
 """
 
 from __future__ import annotations
