@@ -27,9 +27,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from statistics import median
 
-import redis
 import trio
-from redis.utils import HIREDIS_AVAILABLE
+
+try:
+    import redis
+    from redis.utils import HIREDIS_AVAILABLE
+except ImportError:
+    print(
+        "bench_redis.py needs the redis extra: python -m pip install 'lmprefetch[redis]'",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
 
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena

@@ -53,9 +53,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import torch
+        try:
+            import torch
 
-        from lmprefetch.integration.vllm import PagedKVLayout
+            from lmprefetch.integration.vllm import PagedKVLayout
+        except ImportError as exc:
+            print(
+                f"bench_vllm_copy.py needs the vllm extra ({exc.name} is missing): "
+                "python -m pip install 'lmprefetch[vllm]'",
+                file=sys.stderr,
+            )
+            return 2
 
     device = torch.device(args.device)
     bpc = args.chunk_size // args.block_size

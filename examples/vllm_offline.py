@@ -74,9 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+        from vllm.inputs import TokensPrompt
+    except ImportError as exc:
+        print(
+            f"vllm_offline.py needs the vllm extra ({exc.name} is missing): "
+            "python -m pip install 'lmprefetch[vllm]'",
+            file=sys.stderr,
+        )
+        return 2
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model

@@ -36,3 +36,30 @@ def test_bench_engine_example() -> None:
     out = run_example("bench_engine.py", "3")
     assert "disk hit (page cache)" in out
     assert "leak check after the run: OK" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "blocked", "extra"),
+    [
+        ("bench_redis.py", "redis", "lmprefetch[redis]"),
+        ("bench_vllm_copy.py", "torch", "lmprefetch[vllm]"),
+        ("vllm_offline.py", "vllm", "lmprefetch[vllm]"),
+    ],
+)
+def test_an_example_without_its_extra_says_which_to_install(
+    name: str, blocked: str, extra: str
+) -> None:
+    """Run the example with its optional dependency made unimportable (as without the
+    extra): one line naming the extra, exit status 2, no traceback."""
+    runner = (
+        "import runpy, sys\n"
+        f"sys.modules[{blocked!r}] = None\n"
+        f"sys.argv = [{name!r}]\n"
+        f"runpy.run_path({str(EXAMPLES / name)!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", runner], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and extra in lines[0] and name in lines[0], proc.stderr

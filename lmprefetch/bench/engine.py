@@ -210,10 +210,27 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chunks", type=int, default=16)
-    p.add_argument("--chunk-bytes", type=int, default=2 * MiB)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--json", action="store_true")
+    from .workload import int_at_least
+
+    p.add_argument(
+        "--chunks",
+        type=int_at_least(1),
+        default=16,
+        help="chunks per lookup (default: 16)",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int_at_least(1),
+        default=2 * MiB,
+        help=f"bytes per chunk (default: {2 * MiB}, 2 MiB)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=50,
+        help="lookups per case; medians are printed (default: 50)",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ from .measure import (
 )
 from .processes import worker_main
 from .report import format_report, plot
-from .workload import BenchOptions, make_workload
+from .workload import BenchOptions, fraction, int_at_least, make_workload
 
 __all__ = ["BenchOptions", "add_arguments", "main", "run_bench"]
 
@@ -151,21 +151,78 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchOptions()
-    p.add_argument("--workers", type=int, default=d.workers, help="worker processes (ranks)")
-    p.add_argument("--conversations", type=int, default=d.conversations)
-    p.add_argument("--turns", type=int, default=d.turns)
-    p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--concurrency", type=int, default=d.concurrency)
-    p.add_argument("--abort-ratio", type=float, default=d.abort_ratio)
-    p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes)
-    p.add_argument("--cpu-bytes", type=int, default=d.cpu_bytes)
-    p.add_argument("--miss-lookups", type=int, default=d.miss_lookups)
-    p.add_argument("--rtt-samples", type=int, default=d.rtt_samples)
-    p.add_argument("--transport", choices=["ipc", "tcp"], default=d.transport)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--workers",
+        type=int_at_least(1),
+        default=d.workers,
+        help=f"worker processes, one per rank (default: {d.workers})",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int_at_least(1),
+        default=d.conversations,
+        help=f"chat sessions in the workload (default: {d.conversations})",
+    )
+    p.add_argument(
+        "--turns",
+        type=int_at_least(1),
+        default=d.turns,
+        help=f"turns per session; each turn is one lookup (default: {d.turns})",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=d.repeats,
+        help=f"times the replay is run; figures are over all of them (default: {d.repeats})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int_at_least(1),
+        default=d.concurrency,
+        help=f"lookups in flight at once during the replay (default: {d.concurrency})",
+    )
+    p.add_argument(
+        "--abort-ratio",
+        type=fraction,
+        default=d.abort_ratio,
+        help=f"fraction of replayed lookups aborted mid-flight, 0 to 1 (default: {d.abort_ratio})",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int_at_least(1),
+        default=d.chunk_bytes,
+        help=f"bytes of one chunk's KV payload (default: {d.chunk_bytes}, 2 MiB)",
+    )
+    p.add_argument(
+        "--cpu-bytes",
+        type=int_at_least(1),
+        default=d.cpu_bytes,
+        help=f"bytes of each worker's CPU tier and arena (default: {d.cpu_bytes}, 256 MiB)",
+    )
+    p.add_argument(
+        "--miss-lookups",
+        type=int_at_least(1),
+        default=d.miss_lookups,
+        help=f"full-miss lookups for the throughput figure (default: {d.miss_lookups})",
+    )
+    p.add_argument(
+        "--rtt-samples",
+        type=int_at_least(1),
+        default=d.rtt_samples,
+        help=f"round trips measured for each latency figure (default: {d.rtt_samples})",
+    )
+    p.add_argument(
+        "--transport",
+        choices=["ipc", "tcp"],
+        default=d.transport,
+        help=f"lookup endpoints: ipc (abstract names) or tcp on loopback (default: {d.transport})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help=f"workload random seed (default: {d.seed})"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a latency/throughput figure")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
 def main(args: argparse.Namespace) -> int:

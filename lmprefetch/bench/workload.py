@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["BenchOptions", "Workload", "make_workload", "payload_block"]
+__all__ = [
+    "BenchOptions",
+    "Workload",
+    "fraction",
+    "int_at_least",
+    "make_workload",
+    "payload_block",
+]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -32,6 +41,33 @@ class BenchOptions:
     json: bool = False
     plot: str | None = None
     progress: bool = True
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer option of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type`` for a number between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
 
 
 @dataclass
