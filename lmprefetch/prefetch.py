@@ -103,6 +103,7 @@ class _Lookup:
         "_on_answer",
         "answer",
         "deadline",
+        "ended",
         "has_task",
         "loaded",
         "lookup_id",
@@ -122,6 +123,7 @@ class _Lookup:
         self.loaded: list[tuple[ChunkKey, Buffer]] = []  # owned until claimed or released
         self.answer: int | None = None
         self.has_task = True  # False: answered synchronously; the expiry task ends its hold
+        self.ended: trio.Event | None = None  # made by whoever waits for the task to end
         self._on_answer = on_answer
 
     def give_answer(self, hit_tokens: int) -> bool:
@@ -424,6 +426,8 @@ class Engine:
             if self._lookups.get(rec.lookup_id) is rec:
                 del self._lookups[rec.lookup_id]
             self._live.discard(rec)
+            if rec.ended is not None:
+                rec.ended.set()
             if not self._live:
                 self._quiet.set()
 
@@ -631,7 +635,9 @@ class Engine:
         Cancellation: if this call raises (``Cancelled`` at its one checkpoint, or anything
         else), the lookup it started is cancelled and has released everything by the time the
         exception leaves, even when its answer was already known; a call that raised had no
-        lasting effect.
+        lasting effect.  To keep that promise it waits, shielded, for the lookup's task to
+        unwind (a tier read already running finishes first, as with
+        ``trio.to_thread.run_sync``).
         """
         result: list[int] = []
         done = trio.Event()
@@ -656,8 +662,17 @@ class Engine:
             # The answer may be known already (a full CPU hit answers before the wait, and an
             # answer can land between the cancellation and this task running again), so the
             # lookup is cancelled whatever its state, releasing what it holds at once.
-            if rec is not None and self._lookups.get(lookup_id) is rec:
-                self.cancel(lookup_id)
+            if rec is not None:
+                if self._lookups.get(lookup_id) is rec:
+                    self.cancel(lookup_id)
+                if rec in self._live:
+                    # Its task still owns pins, limiter weight and buffers until it unwinds
+                    # (a disk read in flight finishes first): wait for that, shielded, so
+                    # that everything is released by the time the exception leaves.
+                    if rec.ended is None:
+                        rec.ended = trio.Event()
+                    with trio.CancelScope(shield=True):
+                        await rec.ended.wait()
             raise
         return result[0]
 
