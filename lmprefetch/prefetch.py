@@ -733,7 +733,8 @@ class Engine:
                     for tier in self._write_behind:
                         tier.enqueue_write(key, buf)
                 stored += 1
-        self.counters["chunks_stored"] += stored
+                # Counted per chunk: a store cancelled at a later chunk keeps these.
+                self.counters["chunks_stored"] += 1
         return stored
 
     async def flush(self) -> None:
