@@ -49,7 +49,7 @@ from .checkpoints import Steps, Target, named
 from .fakes import FakeTier
 from .redis_servers import HAVE_REDIS, RedisServer, raw_client
 from .redis_servers import redis_server_fixture as redis_server_fixture  # fixture "redis_server"
-from .test_engine import CHUNK, assert_conserved, offsets
+from .test_engine import CHUNK, assert_conserved, layer_parts, offsets
 
 LIMIT_S = 60.0
 CHUNK_BYTES = 4096
@@ -281,14 +281,6 @@ async def tier_payloads(engine: Engine, tier: Tier, keys: list[ChunkKey]) -> lis
     finally:
         for buf in bufs:
             buf.release()
-
-
-def layer_parts(data: list[bytes], kpc: int) -> list[bytes]:
-    out = []
-    for payload in data:
-        part = len(payload) // kpc
-        out.extend(payload[i * part : (i + 1) * part] for i in range(kpc))
-    return out
 
 
 def redis_contents(url: str, keys: list[ChunkKey]) -> tuple[list[bytes], list[bytes | None]]:
