@@ -126,6 +126,7 @@ class _Lookup:
         "_on_answer",
         "answer",
         "deadline",
+        "ended",
         "has_task",
         "loaded",
         "lookup_id",
@@ -147,6 +148,7 @@ class _Lookup:
         self.loaded: list[tuple[ChunkKey, Buffer]] = []
         self.answer: int | None = None
         self.has_task = True  # False: answered synchronously; the expiry task ends its hold
+        self.ended: trio.Event | None = None  # made by whoever waits for the task to end
         self._on_answer = on_answer
 
     def __repr__(self) -> str:
@@ -477,6 +479,8 @@ class Engine:
                 del self._lookups[rec.lookup_id]
             self._live.discard(rec)
             self._tasks_alive.value = len(self._live)
+            if rec.ended is not None:
+                rec.ended.set()
 
     async def _probe_and_load(
         self, rec: _Lookup, keys: list[ChunkKey], skip_chunks: int, owned: ExitStack
@@ -682,7 +686,9 @@ class Engine:
         Cancellation: if this call raises (``Cancelled`` at its one checkpoint, or anything
         else), the lookup it started is cancelled and has released everything by the time the
         exception leaves, even when its answer was already known; a call that raised had no
-        lasting effect.
+        lasting effect.  To keep that promise it waits, shielded, for the lookup's task to
+        unwind (a tier read already running finishes first, as with
+        ``trio.to_thread.run_sync``).
         """
         result: list[int] = []
         done = trio.Event()
@@ -707,8 +713,17 @@ class Engine:
             # The answer may be known already (a full CPU hit answers before the wait, and an
             # answer can land between the cancellation and this task running again), so the
             # lookup is cancelled whatever its state, releasing what it holds at once.
-            if rec is not None and self._lookups.get(lookup_id) is rec:
-                self.cancel(lookup_id)
+            if rec is not None:
+                if self._lookups.get(lookup_id) is rec:
+                    self.cancel(lookup_id)
+                if rec in self._live:
+                    # Its task still owns pins, limiter weight and buffers until it unwinds
+                    # (a disk read in flight finishes first): wait for that, shielded, so
+                    # that everything is released by the time the exception leaves.
+                    if rec.ended is None:
+                        rec.ended = trio.Event()
+                    with trio.CancelScope(shield=True):
+                        await rec.ended.wait()
             raise
         return result[0]
 
@@ -769,7 +784,8 @@ class Engine:
                     for tier in self._write_behind:
                         tier.enqueue_write(key, buf)
                 stored += 1
-        self.counters["chunks_stored"] += stored
+                # Counted per chunk: a store cancelled at a later chunk keeps these.
+                self.counters["chunks_stored"] += 1
         return stored
 
     async def flush(self) -> None:

@@ -16,6 +16,8 @@ class FakeTier(BaseTier):
 
     * ``probe_error`` / ``load_error``: raise this from the probe / load.
     * ``probe_hang`` / ``load_hang``: block forever in the probe / load.
+    * ``probe_gate``: a ``trio.Event`` each key's probe waits on (to hold a probe in flight);
+      ``keys_probed`` counts the keys whose probe started.
     * ``load_gate``: a ``trio.Event`` each chunk read waits on (to hold a load in flight).
     * ``drop_before_load``: keys deleted after the probe, before the load reads them.
     * ``chunk_delay_s``: ``trio.sleep`` before each chunk (use with ``autojump_clock``).
@@ -31,6 +33,8 @@ class FakeTier(BaseTier):
         self.probe_hang = False
         self.load_hang = False
         self.load_gate: trio.Event | None = None
+        self.probe_gate: trio.Event | None = None
+        self.keys_probed = 0
         self.drop_before_load: set[ChunkKey] = set()
         self.chunk_delay_s = 0.0
         self.on_load_done: Callable[[], None] | None = None
@@ -43,7 +47,10 @@ class FakeTier(BaseTier):
         return None
 
     async def contains(self, key: ChunkKey) -> bool:
+        self.keys_probed += 1
         await trio.lowlevel.checkpoint()
+        if self.probe_gate is not None:
+            await self.probe_gate.wait()
         if self.probe_error is not None:
             raise self.probe_error
         if self.probe_hang:

@@ -31,6 +31,8 @@ from lmprefetch.protocol import (
     encode,
 )
 
+from .resources import Snapshot, needs_proc
+
 LIMIT_S = 5.0
 CHUNK = 4
 
@@ -585,6 +587,27 @@ def test_d19_close_joins_is_idempotent_and_terms_only_its_own_context() -> None:
         push.close(linger=0)
         pull.close(linger=0)
         other.term()
+
+
+@needs_proc
+def test_d19_close_releases_the_clients_threads_sockets_and_context() -> None:
+    """What the client made is gone once close() returns: its bridge thread, its ZeroMQ
+    context (whose I/O and reaper threads live until it is terminated) and every file
+    descriptor it opened (sockets, eventfds, epoll).  (That another context survives is
+    checked above.)"""
+    before = Snapshot.take()
+    threads_before = set(threading.enumerate())
+    # Nobody listens on the worker endpoint: no peer in this process holds a connection.
+    client = LookupClient(PrefetchConfig(chunk_size=CHUNK), [ipc_endpoint()], ipc_endpoint())
+    try:
+        client.lookup("x", tokens(2))
+        assert before.new_fds()  # sockets and the context's eventfds are open now
+    finally:
+        client.close()
+    assert set(threading.enumerate()) == threads_before  # the bridge thread was joined
+    assert before.new_zmq_threads() == {}  # the context was terminated: no ZMQbg thread
+    assert before.new_fds() == set()  # every socket, eventfd and epoll fd is closed
+    client.close()  # idempotent
 
 
 def test_close_wakes_waiters(cluster: Cluster) -> None:

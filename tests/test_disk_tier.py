@@ -492,6 +492,42 @@ async def test_concurrent_reads_return_the_contiguous_prefix(tmp_path: Path, are
                 nursery.start_soon(one_load)
 
 
+async def test_d13_chunks_read_past_a_miss_by_other_threads_are_not_counted(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several threads read one load's chunks in order; the thread that meets the missing
+    chunk 5 is held until another thread has read a chunk after it.  That chunk was read,
+    but it lies past the hole: the count stops at 5."""
+    keys = [key(h) for h in range(20)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, read_threads=3) as tier:
+            await store(tier, arena, range(20), size=100)
+            paths = {str(file_of(tmp_path, k)): i for i, k in enumerate(keys)}
+            await file_of(tmp_path, keys[5]).unlink()
+            read_past_the_hole = threading.Event()
+            real_read = tier._read_chunk
+
+            def read(path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
+                if paths[path] == 5:
+                    assert read_past_the_hole.wait(TIMEOUT_S)
+                result = real_read(path, key_bytes, slot)
+                if paths[path] > 5:
+                    read_past_the_hole.set()
+                return result
+
+            monkeypatch.setattr(tier, "_read_chunk", read)
+            bufs = arena.allocate_many(len(keys))
+            try:
+                assert await tier.load(keys, bufs) == 5
+                assert [bytes(b.view()) for b in bufs[:5]] == [payload(h, 100) for h in range(5)]
+            finally:
+                for b in bufs:
+                    b.release()
+            assert read_past_the_hole.is_set()
+            assert tier.stats.chunks_loaded == 5
+            assert tier.stats.bytes_loaded == 500
+
+
 @pytest.mark.parametrize("read_threads", [1, 3])
 async def test_d04_cancelled_load_starts_no_more_reads_and_counts_nothing(
     tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch, read_threads: int

@@ -7,14 +7,18 @@ condition variable, and worker state is read through the control pipe.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import urllib.request
+import uuid
+from pathlib import Path
 
 import pytest
 import zmq
 
-from lmprefetch import ChunkHasher, LookupClient, PrefetchConfig
+from lmprefetch import ChunkHasher, LookupClient, PrefetchConfig, WorkerRuntime
 
+from .resources import Snapshot, needs_proc
 from .workers import start_workers
 
 CHUNK = 4
@@ -106,7 +110,14 @@ def test_d07_dead_worker_times_out_to_zero_and_keeps_answering_zero(
         assert client.wait("t", 10) == 0  # rank 1 never answers
         for _ in range(3):
             assert client.lookup("t", toks) == 0
-        assert len([r for r in caplog.records if "t" in r.getMessage()]) == 1
+        timeouts = [r for r in caplog.records if r.name == "lmprefetch.client"]
+        assert len(timeouts) == 1  # one warning, however often the id is polled after
+        assert timeouts[0].levelno == logging.WARNING
+        assert re.fullmatch(
+            r"lookup 't' \(seq \d+\): 1 of 2 workers answered within 0\.5 s; "
+            r"answering 0 and cancelling it on every worker",
+            timeouts[0].getMessage(),
+        ), timeouts[0].getMessage()
         assert workers[0].ask("wait_idle", 10)  # the timeout sent a cleanup
 
 
@@ -142,54 +153,114 @@ def test_close_under_load_releases_everything(config: PrefetchConfig) -> None:
             assert w.ask("close", timeout_s=30) == 0
 
 
-def test_d18_metrics_count_async_lookups(config: PrefetchConfig) -> None:
-    toks = prompt(2)
+def scrape(port: int | None) -> dict[str, float]:
+    """The worker's /metrics, as ``{"name{labels}": value}``."""
+    assert port is not None
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_d18_metrics_count_async_lookups(config: PrefetchConfig, tmp_path: Path) -> None:
+    """Lookups that went through the async path (the lookup server) show in the metrics:
+    hits and misses, bytes and chunks per tier, and the in-flight gauge while a disk load is
+    held in its thread."""
+    cfg = config.replace(disk_path=str(tmp_path))
+    cpu_toks, disk_toks = prompt(2), prompt(3, salt=5)
+    cpu_data, disk_data = chunk_payloads(2, 0), [bytes([9, i]) * 20 for i in range(3)]
+    with WorkerRuntime.start(cfg) as writer:  # onto the disk; this engine's CPU tier goes
+        assert writer.store(disk_toks, disk_data) == 3
+    cpu_bytes, disk_bytes = sum(map(len, cpu_data)), sum(map(len, disk_data))
     with (
-        start_workers(config, [[(toks, chunk_payloads(2, 0))]], metrics=True) as (
-            eps,
-            resp,
-            workers,
-        ),
-        LookupClient(config, eps, resp) as client,
+        start_workers(cfg, [[(cpu_toks, cpu_data)]], metrics=True) as (eps, resp, workers),
+        LookupClient(cfg, eps, resp) as client,
     ):
+        worker = workers[0]
         for i in range(5):
-            client.lookup(f"h{i}", toks)
+            client.lookup(f"h{i}", cpu_toks)
             assert client.wait(f"h{i}", 10) == 8
             client.cancel(f"h{i}")
         client.lookup("miss", prompt(2, salt=9))
         assert client.wait("miss", 10) == 0
-        port = workers[0].metrics_port
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-        lines = text.decode().splitlines()
-        assert 'lmprefetch_lookups_total{result="hit"} 5.0' in lines
-        assert 'lmprefetch_lookups_total{result="miss"} 1.0' in lines
-        assert "lmprefetch_lookup_latency_seconds_count 6.0" in lines
-        assert any(line.startswith("lmprefetch_pinned_chunks ") for line in lines)
+        client.lookup("d", disk_toks)
+        assert client.wait("d", 10) == 12
+        assert worker.ask("claim", "d") == disk_data
+        m = scrape(worker.metrics_port)
+        assert m['lmprefetch_lookups_total{result="hit"}'] == 6
+        assert m['lmprefetch_lookups_total{result="miss"}'] == 1
+        assert m["lmprefetch_lookup_latency_seconds_count"] == 7
+        assert m["lmprefetch_hit_tokens_total"] == 5 * 8 + 12
+        assert m['lmprefetch_tier_loaded_bytes_total{tier="cpu"}'] == 5 * cpu_bytes
+        assert m['lmprefetch_tier_loaded_chunks_total{tier="cpu"}'] == 5 * 2
+        assert m['lmprefetch_tier_loaded_bytes_total{tier="disk"}'] == disk_bytes
+        assert m['lmprefetch_tier_loaded_chunks_total{tier="disk"}'] == 3
+        assert m["lmprefetch_inflight_lookups"] == 0
+        assert m["lmprefetch_pinned_chunks"] == 0
+
+        # A disk lookup held in flight: its read waits in the worker's disk thread.
+        worker.ask("hold_disk_reads")
+        try:
+            client.lookup("slow", disk_toks)
+            assert worker.ask("wait_read_held", 10)
+            m = scrape(worker.metrics_port)
+            assert m["lmprefetch_inflight_lookups"] == 1
+            assert m["lmprefetch_pinned_chunks"] == 3  # the probe's pins, until the load ends
+            assert m["lmprefetch_limiter_used"] == 3
+            assert m['lmprefetch_tier_loaded_bytes_total{tier="disk"}'] == disk_bytes
+        finally:
+            worker.ask("release_disk_reads")
+        assert client.wait("slow", 10) == 12
+        client.cancel("slow")
+        assert worker.ask("wait_idle", 10)
+        m = scrape(worker.metrics_port)
+        assert m["lmprefetch_inflight_lookups"] == 0
+        assert m["lmprefetch_held_lookups"] == 0
+        assert m["lmprefetch_pinned_chunks"] == 0
+        assert m['lmprefetch_tier_loaded_bytes_total{tier="disk"}'] == 2 * disk_bytes
+        assert m['lmprefetch_lookups_total{result="hit"}'] == 7
+        assert m['lmprefetch_lookups_total{result="claimed"}'] == 1
+        assert m['lmprefetch_lookups_total{result="cancelled"}'] == 6
 
 
+@needs_proc
 def test_d19_close_joins_threads_and_leaves_other_contexts_alone(
     config: PrefetchConfig,
 ) -> None:
-    from lmprefetch import WorkerRuntime
-
+    """Closing a worker runtime that holds a prefetch, and a client: everything is released —
+    the held buffers and pins, the arena, the runtime's and the bridge's threads, both ZeroMQ
+    contexts (their native I/O threads end when terminated) and every file descriptor they
+    opened — and a context that belongs to someone else keeps working."""
     other = zmq.Context()
     a, b = other.socket(zmq.PAIR), other.socket(zmq.PAIR)
     a.bind("inproc://other")
     b.connect("inproc://other")
-    before = set(threading.enumerate())
-    worker = WorkerRuntime.start(
-        config, request_endpoint="ipc://@lmp-d19-w", response_endpoint="ipc://@lmp-d19-s"
-    )
-    client = LookupClient(config, ["ipc://@lmp-d19-w"], "ipc://@lmp-d19-s")
+    before = Snapshot.take()
+    threads_before = set(threading.enumerate())
+    tag = uuid.uuid4().hex[:8]
+    worker_ep, sched_ep = f"ipc://@lmp-d19-w-{tag}", f"ipc://@lmp-d19-s-{tag}"
+    worker = WorkerRuntime.start(config, request_endpoint=worker_ep, response_endpoint=sched_ep)
+    engine = worker.engine
+    client = LookupClient(config, [worker_ep], sched_ep)
     toks = prompt(2)
     worker.store(toks, chunk_payloads(2, 0))
     client.lookup("x", toks)
     assert client.wait("x", 10) == 8
+    assert worker.stats()["held_lookups"] == 1  # the prefetch holds the cached buffers
     client.close()
     worker.close()
-    worker.close()
-    leftover = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-    assert leftover == []
+    worker.close()  # idempotent
+    after = engine.stats()
+    assert after["held_lookups"] == after["inflight_lookups"] == 0
+    assert after["lookups_cancelled"] == 1  # closing cancelled the held prefetch
+    assert after["pinned_chunks"] == 0
+    assert after["arena_used_bytes"] == after["cpu_resident_bytes"] == 0  # the arena is free
+    assert set(threading.enumerate()) == threads_before  # runtime and bridge threads joined
+    assert before.new_zmq_threads() == {}  # both contexts terminated: no ZMQbg thread left
+    assert before.new_fds() == set()  # every socket, eventfd, epoll fd and pipe closed
     a.send(b"still works")
     assert b.recv() == b"still works"
     a.close()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -12,6 +15,7 @@ import trio.testing
 
 from lmprefetch import Engine, PrefetchConfig, open_engine
 from lmprefetch.prefetch import LookupState
+from lmprefetch.tiers.disk import DiskTier
 
 from .fakes import FakeTier
 
@@ -28,6 +32,15 @@ def payloads(n_chunks: int, salt: int = 0, size: int = 48) -> list[bytes]:
 
 def offsets(n: int) -> list[int]:
     return [CHUNK] * n
+
+
+def layer_parts(data: list[bytes], kpc: int) -> list[bytes]:
+    """Each chunk's payload cut into its ``kpc`` per-layer parts, in key order."""
+    out = []
+    for payload in data:
+        part = len(payload) // kpc
+        out.extend(payload[i * part : (i + 1) * part] for i in range(kpc))
+    return out
 
 
 def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
@@ -432,19 +445,71 @@ async def test_d11_arena_exhausted_gives_shorter_prefix_never_waits(
         assert_conserved(engine)
 
 
-async def test_d12_failed_load_never_hands_out_unread_buffers(
-    small_config: PrefetchConfig,
+@pytest.mark.parametrize("unreadable", [None, 1], ids=["all_readable", "chunk_1_unreadable"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layerwise"])
+@pytest.mark.parametrize("tier_kind", ["fake", "disk"])
+async def test_d12_allocation_failure_never_hands_out_unread_buffers(
+    tmp_path: Path, tier_kind: str, layerwise: bool, unreadable: int | None
 ) -> None:
-    disk = FakeTier("disk")
-    async with engine_with(small_config, disk) as engine:
-        toks, data = tokens(6), payloads(6)
-        hashes = await put_in(disk, engine, toks, data)
-        del disk.data[engine.keys.keys(hashes)[3]]  # the load stops at chunk 3...
-        disk.data[engine.keys.keys(hashes)[3]] = data[3]
-        disk.drop_before_load = {engine.keys.keys(hashes)[3]}  # ...after the probe counted it
-        assert await engine.lookup_and_prefetch("u", hashes, offsets(6)) == 3 * CHUNK
-        with engine.claim("u") as chunks:
-            assert [bytes(b.view()) for _, b in chunks] == data[:3]
+    """The arena runs out while a load allocates its buffers: ``allocate_many`` hands back
+    fewer than asked.  The lookup answers the shorter prefix it could read (shorter still
+    when a chunk among the allocated ones cannot be read), holds nothing past it (no unread
+    buffer, no buffer of half a chunk), and everything goes back afterwards."""
+    kpc = 2 if layerwise else 1
+    config = PrefetchConfig(
+        chunk_size=CHUNK,
+        chunk_bytes=64 * kpc,
+        cpu_bytes=64 * 32,  # 32 slots of 64 bytes
+        layerwise=layerwise,
+        num_layers=kpc,
+        disk_path=str(tmp_path) if tier_kind == "disk" else None,
+    )
+    toks, data = tokens(6), payloads(6, size=48 * kpc)
+    extra: list[FakeTier] = []
+    if tier_kind == "disk":
+        async with open_engine(config) as engine:  # the disk tier outlives this engine
+            assert await engine.store(toks, data) == 6
+    else:
+        extra = [FakeTier("fake")]
+    async with open_engine(config, extra_tiers=extra) as engine:  # its CPU tier is empty
+        hashes = engine.hasher.hash(toks)
+        if extra:
+            extra[0].data.update(zip(engine.keys.keys(hashes), layer_parts(data, kpc)))
+        # Fill the arena with CPU chunks held by a lookup (never evicted) and leave 5 slots
+        # free: 5 chunks, or 2 whole chunks and one slot of a third in layerwise mode.
+        held_chunks = 27 // kpc
+        held_toks = tokens(held_chunks, salt=3)
+        await engine.store(held_toks, payloads(held_chunks, salt=3, size=48 * kpc))
+        await engine.flush()
+        held_hashes = engine.hasher.hash(held_toks)
+        assert await engine.lookup_and_prefetch("hold", held_hashes, offsets(held_chunks)) > 0
+        blockers = engine.arena.allocate_many(27 - held_chunks * kpc)
+        assert engine.arena.free_slots == 5
+        loaded = 5 // kpc
+        if unreadable is not None:  # its first layer's file, or the fake's value, vanishes
+            gone = engine.keys.keys(hashes)[unreadable * kpc]
+            if extra:
+                extra[0].drop_before_load = {gone}
+            else:
+                await trio.Path(tmp_path / f"{gone.to_string()}.kv").unlink()
+            loaded = unreadable
+        used_before = engine.arena.used_slots
+        got = await engine.lookup_and_prefetch("short", hashes, offsets(6))
+        assert got == loaded * CHUNK  # a shorter prefix, never a wait, never an error
+        # Held now: exactly the loaded chunks' buffers, nothing unread, no half chunk.
+        assert engine.arena.used_slots == used_before + loaded * kpc
+        with engine.claim("short") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == layer_parts(data, kpc)[: loaded * kpc]
+        for buf in blockers:
+            buf.release()
+        engine.cancel("hold")
+        await engine.wait_quiet()
+        assert_conserved(engine)
+        # With room again, the whole prompt (up to an unreadable chunk) loads.
+        whole = 6 if unreadable is None else unreadable
+        assert await engine.lookup_and_prefetch("full", hashes, offsets(6)) == whole * CHUNK
+        with engine.claim("full") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == layer_parts(data, kpc)[: whole * kpc]
         await engine.wait_quiet()
         assert_conserved(engine)
 
@@ -467,6 +532,223 @@ async def test_d13_chunk_deleted_between_probe_and_load_truncates(
             assert [bytes(b.view()) for _, b in chunks] == data[:1]
         await engine.wait_quiet()
         assert_conserved(engine)
+
+
+# -- the same defects on the real disk tier (files in tmp_path, worker threads) --------------
+DISK_LIMIT_S = 30.0
+
+
+def disk_config(tmp_path: Path, **changes: object) -> PrefetchConfig:
+    return PrefetchConfig(
+        chunk_size=CHUNK,
+        chunk_bytes=64,
+        cpu_bytes=64 * 64,
+        disk_path=str(tmp_path),
+        lookup_timeout_s=DISK_LIMIT_S,
+        tier_timeout_s=DISK_LIMIT_S,
+    ).replace(**changes)
+
+
+async def on_disk(config: PrefetchConfig, *prompts: tuple[list[int], list[bytes]]) -> None:
+    """Store ``prompts`` into the disk tier of ``config`` with an engine that is then closed:
+    the next engine on that directory starts with an empty CPU tier."""
+    async with open_engine(config) as engine:
+        for toks, data in prompts:
+            assert await engine.store(toks, data) == len(data)
+
+
+def the_disk(engine: Engine) -> DiskTier:
+    (disk,) = [t for t in engine.tiers if isinstance(t, DiskTier)]
+    return disk
+
+
+class Answers:
+    """Collects the answers of ``expected`` lookups; ``all_in`` is set once each answered."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.got: dict[str, list[int]] = {}
+        self.all_in = trio.Event()
+
+    def callback(self, lookup_id: str) -> Callable[[int], None]:
+        def on_answer(hit_tokens: int) -> None:
+            self.got.setdefault(lookup_id, []).append(hit_tokens)
+            if len(self.got) == self.expected:
+                self.all_in.set()
+
+        return on_answer
+
+
+class ReadGate:
+    """Holds the disk tier's chunk reads (in its worker threads) until opened; counts the
+    reads started and the threads waiting in it."""
+
+    def __init__(self, disk: DiskTier, monkeypatch: pytest.MonkeyPatch, *, hold_from: int = 0):
+        self._read = disk._read_chunk
+        self._cond = threading.Condition()
+        self._open = False
+        self.hold_from = hold_from  # the first reads pass; the read number ``hold_from`` waits
+        self.started = 0
+        self.waiting = 0
+        monkeypatch.setattr(disk, "_read_chunk", self._gated)
+
+    def _gated(self, *args: Any) -> Any:
+        with self._cond:
+            number = self.started
+            self.started += 1
+            if number >= self.hold_from and not self._open:
+                self.waiting += 1
+                self._cond.notify_all()
+                assert self._cond.wait_for(lambda: self._open, DISK_LIMIT_S), "gate never opened"
+                self.waiting -= 1
+        return self._read(*args)
+
+    async def wait_for_waiting(self, n: int) -> bool:
+        """Until ``n`` threads wait at the gate (``False`` past the deadline)."""
+
+        def wait() -> bool:
+            with self._cond:
+                return self._cond.wait_for(lambda: self.waiting >= n, DISK_LIMIT_S)
+
+        return await trio.to_thread.run_sync(wait)
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def __enter__(self) -> ReadGate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.open()  # also when the test fails: no thread is left waiting
+
+
+async def test_d04_cancel_in_flight_disk_prefetch_stops_reads_and_releases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = disk_config(tmp_path)
+    toks, data = tokens(6), payloads(6)
+    await on_disk(config, (toks, data))
+    with trio.fail_after(DISK_LIMIT_S):
+        async with open_engine(config) as engine:
+            disk = the_disk(engine)
+            # Chunk 0 is read; the read of chunk 1 waits at the gate.
+            with ReadGate(disk, monkeypatch, hold_from=1) as gate:
+                answers: list[int] = []
+                hashes = engine.hasher.hash(toks)
+                engine.start_lookup("L", hashes, offsets(6), on_answer=answers.append)
+                assert await gate.wait_for_waiting(1)
+                assert engine.stats()["inflight_lookups"] == 1
+                assert engine.stats()["pinned_chunks"] == 6
+                engine.cancel("L")
+                gate.open()  # the read in flight finishes; no other read may start
+                await engine.wait_quiet()
+                assert answers == [0]
+                assert gate.started == 2  # chunk 0, and chunk 1 that was in flight at the cancel
+                assert disk.stats.chunks_loaded == 0  # nothing counted as loaded
+                assert len(disk) == 6  # a cancel is not a miss: every chunk is still indexed
+                assert_conserved(engine)
+
+
+async def test_d09_disk_load_in_flight_while_the_next_tier_is_probed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk tier's load runs while the next tier is probed (not after it): with the disk
+    read held in its thread, the remote tier's probe must have started."""
+    config = disk_config(tmp_path)
+    toks, data = tokens(8), payloads(8)
+    await on_disk(config, (toks[: 4 * CHUNK], data[:4]))
+    remote = FakeTier("remote")
+    remote.probe_gate = trio.Event()
+    with trio.fail_after(DISK_LIMIT_S):
+        async with open_engine(config, extra_tiers=[remote]) as engine:
+            hashes = engine.hasher.hash(toks)
+            remote.data.update(zip(engine.keys.keys(hashes), data))
+            with ReadGate(the_disk(engine), monkeypatch) as gate:
+                answers = Answers(1)
+                engine.start_lookup("L", hashes, offsets(8), on_answer=answers.callback("L"))
+                assert await gate.wait_for_waiting(1)  # the disk load is in flight
+                await trio.testing.wait_all_tasks_blocked()
+                assert remote.keys_probed >= 1  # ...and the next tier's probe runs meanwhile
+                assert the_disk(engine).stats.chunks_loaded == 0
+                assert answers.got == {}
+                remote.probe_gate.set()
+                gate.open()
+                await answers.all_in.wait()
+                assert answers.got == {"L": [8 * CHUNK]}
+                with engine.claim("L") as chunks:
+                    assert [bytes(b.view()) for _, b in chunks] == data
+                await engine.wait_quiet()
+                assert_conserved(engine)
+
+
+async def test_d09_concurrent_disk_lookups_are_all_in_flight_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight disk lookups: all eight loads are in flight together under the weighted limiter,
+    and their reads run in eight threads at once (LMCache ran them one at a time)."""
+    config = disk_config(tmp_path, disk_read_threads=8)
+    prompts = [(tokens(2, salt=i), payloads(2, salt=i)) for i in range(8)]
+    await on_disk(config, *prompts)
+    with trio.fail_after(DISK_LIMIT_S):
+        async with open_engine(config) as engine:
+            disk = the_disk(engine)
+            with ReadGate(disk, monkeypatch) as gate:
+                in_load = 0
+                real_load = disk.load
+
+                async def counted_load(keys: Any, buffers: Any) -> int:
+                    nonlocal in_load
+                    in_load += 1
+                    try:
+                        return await real_load(keys, buffers)
+                    finally:
+                        in_load -= 1
+
+                monkeypatch.setattr(disk, "load", counted_load)
+                answers = Answers(8)
+                for i, (toks, _) in enumerate(prompts):
+                    hashes = engine.hasher.hash(toks)
+                    engine.start_lookup(
+                        f"c{i}", hashes, offsets(2), on_answer=answers.callback(f"c{i}")
+                    )
+                await trio.testing.wait_all_tasks_blocked()
+                assert in_load == 8  # every load started, none waits for another
+                assert engine.limiter.used == 16
+                assert await gate.wait_for_waiting(8)  # eight reads in eight threads at once
+                gate.open()
+                await answers.all_in.wait()
+                assert answers.got == {f"c{i}": [2 * CHUNK] for i in range(8)}
+                for i, (_, data) in enumerate(prompts):
+                    with engine.claim(f"c{i}") as chunks:
+                        assert [bytes(b.view()) for _, b in chunks] == data
+                await engine.wait_quiet()
+                assert_conserved(engine)
+
+
+async def test_d13_disk_file_deleted_between_probe_and_load_truncates(tmp_path: Path) -> None:
+    """Chunk 1's file goes after the disk tier indexed it: the disk load stops there, and the
+    remote tier's later chunks are not used (never paired with the wrong keys)."""
+    config = disk_config(tmp_path)
+    toks, data = tokens(8), payloads(8)
+    await on_disk(config, (toks[: 4 * CHUNK], data[:4]))
+    remote = FakeTier("remote")
+    with trio.fail_after(DISK_LIMIT_S):
+        async with open_engine(config, extra_tiers=[remote]) as engine:
+            hashes = engine.hasher.hash(toks)
+            keys = engine.keys.keys(hashes)
+            remote.data.update(zip(keys, data))
+            disk = the_disk(engine)
+            assert disk.contains_now(keys[1])
+            await trio.Path(tmp_path / f"{keys[1].to_string()}.kv").unlink()
+            assert await engine.lookup_and_prefetch("h", hashes, offsets(8)) == CHUNK
+            with engine.claim("h") as chunks:
+                assert [bytes(b.view()) for _, b in chunks] == data[:1]
+            assert not disk.contains_now(keys[1])  # the missing file left the index
+            assert remote.loads_started == 1  # loaded, then dropped past the hole
+            await engine.wait_quiet()
+            assert_conserved(engine)
 
 
 async def test_caller_cancelled_before_answer_cancels_lookup(small_config: PrefetchConfig) -> None:

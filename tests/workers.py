@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -50,9 +51,33 @@ def _worker_main(
                     await trio.sleep(0.001)  # a held result waits for its cleanup message
         return bool(engine.is_idle())
 
+    held_reads: list[threading.Event] = []  # [a read reached the gate, the gate is open]
+
+    def hold_disk_reads() -> None:
+        """From now on every chunk read of the disk tier waits (in its worker thread) until
+        ``release_disk_reads``: a lookup that loads from disk stays in flight."""
+        (disk,) = [t for t in engine.tiers if t.name == "disk"]
+        reached, gate = threading.Event(), threading.Event()
+        read = disk._read_chunk
+
+        def held(*args: Any) -> Any:
+            reached.set()
+            gate.wait(60)
+            return read(*args)
+
+        disk._read_chunk = held  # type: ignore[method-assign]
+        held_reads[:] = [reached, gate]
+
     while True:
         cmd, arg = conn.recv()
-        if cmd == "stats":
+        if cmd == "hold_disk_reads":
+            conn.send(runtime.call(hold_disk_reads))
+        elif cmd == "wait_read_held":
+            conn.send(held_reads[0].wait(float(arg)))
+        elif cmd == "release_disk_reads":
+            held_reads[1].set()
+            conn.send(True)
+        elif cmd == "stats":
             conn.send(runtime.stats())
         elif cmd == "claim":
             with runtime.claim(arg) as chunks:

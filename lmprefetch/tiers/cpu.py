@@ -144,6 +144,7 @@ class CpuTier(BaseTier):
 
     async def aclose(self) -> None:
         self.clear()
+        await trio.lowlevel.checkpoint()  # an async method is always a checkpoint
 
     def clear(self) -> None:
         """Drop every cached entry (each drops only the cache's own reference)."""

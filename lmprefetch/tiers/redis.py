@@ -578,6 +578,7 @@ class RedisTier(BaseTier):
         """Flush queued writes (if the writer runs, bounded), drop the rest, wait for abandoned
         threads (bounded), close the client.  Shielded from cancellation; idempotent."""
         if self._closed:
+            await trio.lowlevel.checkpoint()  # closing again is a no-op, and a checkpoint
             return
         with trio.CancelScope(shield=True):
             self._writes.close()
