@@ -19,7 +19,13 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["LATENCY_BUCKETS_S", "MetricsServer", "WorkerMetrics", "start_metrics_server"]
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "RANK_LABELS",
+    "MetricsServer",
+    "WorkerMetrics",
+    "start_metrics_server",
+]
 
 #: Lookup latency buckets, from 20 µs (a CPU hit) to 5 s (past any sane timeout).
 LATENCY_BUCKETS_S = (
@@ -41,6 +47,9 @@ LATENCY_BUCKETS_S = (
     2.5,
     5.0,
 )
+
+#: The labels every family carries.
+RANK_LABELS = ["rank", "world_size"]
 
 _GAUGES = {
     "inflight_lookups": "Lookups probing or loading now",
@@ -77,52 +86,70 @@ _MESSAGE_COUNTERS = {
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], rank: str, world_size: str) -> None:
         self._stats = stats
+        self._ident = [rank, world_size]
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        ident = self._ident
         for key, doc in _GAUGES.items():
-            yield GaugeMetricFamily(f"lmprefetch_{key}", doc, value=s.get(key, 0))
+            gauge = GaugeMetricFamily(f"lmprefetch_{key}", doc, labels=RANK_LABELS)
+            gauge.add_metric(ident, s.get(key, 0))
+            yield gauge
         lookups = CounterMetricFamily(
-            "lmprefetch_lookups", "Lookups by result (async path included)", labels=["result"]
+            "lmprefetch_lookups",
+            "Lookups by result (async path included)",
+            labels=[*RANK_LABELS, "result"],
         )
         for label, key in _LOOKUP_RESULTS.items():
-            lookups.add_metric([label], s.get(key, 0))
+            lookups.add_metric([*ident, label], s.get(key, 0))
         yield lookups
-        yield CounterMetricFamily(
-            "lmprefetch_hit_tokens", "Tokens answered as cached", value=s.get("hit_tokens", 0)
+        hit_tokens = CounterMetricFamily(
+            "lmprefetch_hit_tokens", "Tokens answered as cached", labels=RANK_LABELS
         )
+        hit_tokens.add_metric(ident, s.get("hit_tokens", 0))
+        yield hit_tokens
         tiers: dict[str, dict[str, int]] = s.get("tiers", {})
         for key, (name, doc) in _TIER_COUNTERS.items():
-            family = CounterMetricFamily(name, doc, labels=["tier"])
+            family = CounterMetricFamily(name, doc, labels=[*RANK_LABELS, "tier"])
             for tier, counters in tiers.items():
-                family.add_metric([tier], counters.get(key, 0))
+                family.add_metric([*ident, tier], counters.get(key, 0))
             yield family
         dropped = CounterMetricFamily(
-            "lmprefetch_messages_dropped", "Wire messages counted and dropped", labels=["reason"]
+            "lmprefetch_messages_dropped",
+            "Wire messages counted and dropped",
+            labels=[*RANK_LABELS, "reason"],
         )
         for key, label in _MESSAGE_COUNTERS.items():
-            dropped.add_metric([label], s.get(key, 0))
+            dropped.add_metric([*ident, label], s.get(key, 0))
         yield dropped
 
 
 class WorkerMetrics:
     """The metrics of one worker, in their own registry.
 
+    Every family carries the labels ``rank`` and ``world_size``, so one Prometheus can scrape
+    every rank of a deployment and tell them apart (and sum or take the minimum over them).
+
     Args:
         stats: returns the engine's stats dict (thread-safe: called from the scrape thread).
+        rank: this worker's rank.
+        world_size: the number of ranks.
     """
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, Any]], *, rank: int = 0, world_size: int = 1
+    ) -> None:
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "lmprefetch_lookup_latency_seconds",
             "Time from a request's arrival to its answer",
+            labelnames=RANK_LABELS,
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
-        )
-        self.registry.register(_StatsCollector(stats))
+        ).labels(str(rank), str(world_size))
+        self.registry.register(_StatsCollector(stats, str(rank), str(world_size)))
 
     def observe(self, hit_tokens: int, seconds: float) -> None:
         """The engine's ``on_lookup_done`` hook."""
@@ -160,8 +187,9 @@ def start_metrics_server(runtime: Any, port: int, addr: str = "127.0.0.1") -> Me
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"metrics port: must be 0 … 65535, got {port!r}")
-    metrics = WorkerMetrics(runtime.stats)
-    runtime.call(_install_hook, runtime.engine, metrics)
+    engine = runtime.engine
+    metrics = WorkerMetrics(runtime.stats, rank=engine.rank, world_size=engine.world_size)
+    runtime.call(_install_hook, engine, metrics)
     http, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
     return MetricsServer(metrics, http)
 

@@ -153,15 +153,22 @@ def test_close_under_load_releases_everything(config: PrefetchConfig) -> None:
             assert w.ask("close", timeout_s=30) == 0
 
 
-def scrape(port: int | None) -> dict[str, float]:
-    """The worker's /metrics, as ``{"name{labels}": value}``."""
+def scrape(port: int | None, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+    """The worker's /metrics, as ``{"name{labels}": value}``.  Every lmprefetch sample must
+    carry ``rank`` and ``world_size``; they are checked and left out of the keys."""
     assert port is not None
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     samples = {}
     for line in text.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+        if not line.startswith("lmprefetch_"):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        name, _, label_text = sample.partition("{")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+        assert labels.pop("rank") == str(rank), line
+        assert labels.pop("world_size") == str(world_size), line
+        rest = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        samples[f"{name}{{{rest}}}" if rest else name] = float(value)
     return samples
 
 
