@@ -8,6 +8,9 @@
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
+* ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
+* ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``):
+  every page loads without console errors, search finds ``claim_ttl_s``; screenshots kept.
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -71,7 +74,7 @@ def tests(session: nox.Session, trio: str) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "lmprefetch", "tests", "examples", "noxfile.py")
+    session.run("ruff", "check", "lmprefetch", "tests", "examples", "tools", "noxfile.py")
 
 
 @nox.session(python="3.11")
@@ -119,6 +122,51 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The documentation site into site/: every warning (a broken link or anchor, a docstring
+    that does not render, a configuration field without a meaning) fails the build."""
+    session.install("-e", ".[docs]")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2 (not a warning)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(HERE / "site"))
+
+
+# Material loads Mermaid from this address when a page has a diagram; the browser check serves
+# it from the npm package instead (the check runs without network access).
+MERMAID_URL = "https://unpkg.com/mermaid@11/dist/mermaid.min.js"
+
+
+@nox.session(name="docs-browser", python="3.11")
+def docs_browser(session: nox.Session) -> None:
+    """Build the site and check it in headless Chromium (Debian's package, driven by
+    Playwright): every page loads with no console error and no failed request, Mermaid
+    diagrams render, the search box finds ``claim_ttl_s``.  Screenshots of the home and
+    cancellation pages are written to site-check/ (printed at the end)."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        session.error("Chromium is not installed (apt-get install -y chromium)")
+    if shutil.which("npm") is None:
+        session.error("npm is not installed (it fetches the mermaid package for the check)")
+    session.install("-e", ".[docs]", "playwright>=1.45")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    tmp = Path(session.create_tmp())
+    site = tmp / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    mermaid = tmp / "package" / "dist" / "mermaid.min.js"
+    if not mermaid.exists():
+        session.run("npm", "pack", "--silent", "mermaid@11", "--pack-destination", str(tmp),
+                    external=True)  # fmt: skip
+        tarball = max(tmp.glob("mermaid-11.*.tgz"))
+        member = "package/dist/mermaid.min.js"
+        session.run("tar", "-xzf", str(tarball), "-C", str(tmp), member, external=True)
+    session.run(
+        "python",
+        "tools/check_site.py",
+        *("--site", str(site), "--out", str(HERE / "site-check")),
+        *("--chromium", chromium, "--mermaid", str(mermaid), "--mermaid-url", MERMAID_URL),
+    )
+
+
+@nox.session(python="3.11")
 def ci(session: nox.Session) -> None:
     """What CI runs: lint, types and the whole suite here (the Redis suite included, so
     redis-server must be installed: the suite must not skip it silently), then the matrix
@@ -126,9 +174,10 @@ def ci(session: nox.Session) -> None:
     if shutil.which("redis-server") is None:
         session.error("redis-server is not installed (apt-get install -y redis-server)")
     session.install("-e", ".[test,lint,redis]")
-    session.run("ruff", "check", "lmprefetch", "tests", "examples", "noxfile.py")
+    session.run("ruff", "check", "lmprefetch", "tests", "examples", "tools", "noxfile.py")
     session.run("mypy", "lmprefetch")
     _pytest(session, "-q", "-m", "not vllm and not lmcache")
     session.notify("tests-3.10(oldest)")
     session.notify("tests-3.13(latest)")
     session.notify("vllm")
+    session.notify("docs")

@@ -74,10 +74,16 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     save_partial_chunks: bool = False
     #: ``blake2b`` (default) or ``sha256``; deterministic across processes.
     hash_algorithm: str = "blake2b"
+    #: Names the model in every key, so engines serving different models never share
+    #: chunks; must not contain ``@``.  The vLLM connector sets it to the model path.
     model_name: str = "model"
+    #: Names the KV dtype in every key (payloads are opaque bytes; the name only keeps
+    #: dtypes apart).  The vLLM connector sets it from the KV cache tensors.
     kv_dtype: str = "bfloat16"
     #: Layerwise mode: every chunk has ``num_layers`` keys, one per layer.
     layerwise: bool = False
+    #: Layers per chunk in layerwise mode (ignored otherwise); ``chunk_bytes`` must be a
+    #: multiple of it.
     num_layers: int = 1
 
     # -- time -------------------------------------------------------------------------
@@ -125,6 +131,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: After a failed Redis call the tier answers "miss" without touching the network for
     #: this long, doubling up to ``redis_backoff_max_s`` while failures go on.
     redis_backoff_initial_s: float = 0.5
+    #: The longest backoff after repeated Redis failures.
     redis_backoff_max_s: float = 30.0
 
     # -- transport --------------------------------------------------------------------

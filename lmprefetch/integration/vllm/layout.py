@@ -147,7 +147,8 @@ class PagedKVLayout:
         Args:
             parts: the payload as bytes-like parts (one, or one per layer in layerwise mode),
                 whose concatenation is the payload; each layer's rows lie within one part.
-            row_lo, row_hi: the rows (blocks of the chunk) to copy.
+            row_lo: the first row (block of the chunk) to copy.
+            row_hi: the row after the last one to copy.
             block_ids: the destination block of each row, ``row_hi - row_lo`` of them.
 
         Raises:
