@@ -31,6 +31,15 @@ def test_quickstart() -> None:
     assert "second prompt: 48 tokens cached" in out
 
 
+def test_first_lookup() -> None:
+    """The program docs/getting-started.md includes, with the output the page shows."""
+    out = run_example("first_lookup.py")
+    assert out == (
+        "cached prefix: 96 of 100 tokens\n"
+        "claimed 6 chunks; the last one starts with b'\\x05\\x05'\n"
+    )
+
+
 @pytest.mark.slow
 def test_bench_engine_example() -> None:
     out = run_example("bench_engine.py", "3")

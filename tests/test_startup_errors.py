@@ -7,7 +7,9 @@ must fail before it serves anything, so nothing is left running.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +22,18 @@ import zmq
 
 CLI = [sys.executable, "-m", "lmprefetch"]
 TIMEOUT_S = 60
+TROUBLESHOOTING = Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md"
+
+
+@functools.cache
+def documented_messages() -> list[re.Pattern[str]]:
+    """The start-up messages docs/troubleshooting.md explains (one ```text block each; the
+    parts in <angle brackets> vary)."""
+    templates = re.findall(r"```text\n(lmprefetch.*?)\n```", TROUBLESHOOTING.read_text())
+    return [
+        re.compile(".+?".join(re.escape(part) for part in re.split(r"<[^<>]+>", template)))
+        for template in templates
+    ]
 
 
 def ipc() -> str:
@@ -49,6 +63,9 @@ def assert_one_line_exit_2(out: subprocess.CompletedProcess[str], *names: str) -
     for name in names:
         assert name in lines[0], (name, lines[0])
     assert out.stdout == ""  # it never said it was serving
+    assert any(p.fullmatch(lines[0]) for p in documented_messages()), (
+        f"not explained in docs/troubleshooting.md: {lines[0]}"
+    )
 
 
 @pytest.fixture
