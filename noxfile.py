@@ -3,14 +3,14 @@
 * ``tests``   — the suite over Python 3.10–3.13, with the oldest supported and the newest trio.
 * ``lint``    — ruff (incl. the ASYNC rules).
 * ``types``   — mypy, strict on ``lmprefetch/``.
+* ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
+* ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``):
+  every page loads without console errors, search finds ``claim_ttl_s``; screenshots kept.
 * ``redis``   — the remote-tier suite against real ``redis-server`` processes.
 * ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip.
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
-* ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
-* ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``):
-  every page loads without console errors, search finds ``claim_ttl_s``; screenshots kept.
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -84,6 +84,55 @@ def types(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The documentation site into site/ (mkdocs --strict: any warning fails the build).
+
+    A warning is a broken link or anchor, a docstring that does not render, a configuration
+    field without a meaning."""
+    session.install("-e", ".[docs]")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2 (not a warning)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(HERE / "site"))
+
+
+# Material loads Mermaid from this address when a page has a diagram; the browser check serves
+# it from the npm package instead (the check runs without network access).
+MERMAID_URL = "https://unpkg.com/mermaid@11/dist/mermaid.min.js"
+
+
+@nox.session(name="docs-browser", python="3.11")
+def docs_browser(session: nox.Session) -> None:
+    """The built site in headless Chromium: no console errors, diagrams and search work.
+
+    Chromium is Debian's package, driven by Playwright.  Every page must load with no console
+    error and no failed request, Mermaid diagrams must render, and the search box must find
+    ``claim_ttl_s``.  Screenshots of the home and cancellation pages and a report are written
+    to site-check/ (printed at the end)."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        session.error("Chromium is not installed (apt-get install -y chromium)")
+    if shutil.which("npm") is None:
+        session.error("npm is not installed (it fetches the mermaid package for the check)")
+    session.install("-e", ".[docs]", "playwright>=1.45")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    tmp = Path(session.create_tmp())
+    site = tmp / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    mermaid = tmp / "package" / "dist" / "mermaid.min.js"
+    if not mermaid.exists():
+        session.run("npm", "pack", "--silent", "mermaid@11", "--pack-destination", str(tmp),
+                    external=True)  # fmt: skip
+        tarball = max(tmp.glob("mermaid-11.*.tgz"))
+        member = "package/dist/mermaid.min.js"
+        session.run("tar", "-xzf", str(tarball), "-C", str(tmp), member, external=True)
+    session.run(
+        "python",
+        "tools/check_site.py",
+        *("--site", str(site), "--out", str(HERE / "site-check")),
+        *("--chromium", chromium, "--mermaid", str(mermaid), "--mermaid-url", MERMAID_URL),
+    )
+
+
+@nox.session(python="3.11")
 def redis(session: nox.Session) -> None:
     """The remote tier against real redis-server processes (standalone and a 3-node cluster)."""
     if shutil.which("redis-server") is None:
@@ -119,51 +168,6 @@ def bench(session: nox.Session) -> None:
     session.run("python", "examples/bench_engine.py")
     if shutil.which("redis-server") is not None:
         session.run("python", "examples/bench_redis.py")
-
-
-@nox.session(python="3.11")
-def docs(session: nox.Session) -> None:
-    """The documentation site into site/: every warning (a broken link or anchor, a docstring
-    that does not render, a configuration field without a meaning) fails the build."""
-    session.install("-e", ".[docs]")
-    session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2 (not a warning)
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(HERE / "site"))
-
-
-# Material loads Mermaid from this address when a page has a diagram; the browser check serves
-# it from the npm package instead (the check runs without network access).
-MERMAID_URL = "https://unpkg.com/mermaid@11/dist/mermaid.min.js"
-
-
-@nox.session(name="docs-browser", python="3.11")
-def docs_browser(session: nox.Session) -> None:
-    """Build the site and check it in headless Chromium (Debian's package, driven by
-    Playwright): every page loads with no console error and no failed request, Mermaid
-    diagrams render, the search box finds ``claim_ttl_s``.  Screenshots of the home and
-    cancellation pages are written to site-check/ (printed at the end)."""
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        session.error("Chromium is not installed (apt-get install -y chromium)")
-    if shutil.which("npm") is None:
-        session.error("npm is not installed (it fetches the mermaid package for the check)")
-    session.install("-e", ".[docs]", "playwright>=1.45")
-    session.env["NO_MKDOCS_2_WARNING"] = "1"
-    tmp = Path(session.create_tmp())
-    site = tmp / "site"
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
-    mermaid = tmp / "package" / "dist" / "mermaid.min.js"
-    if not mermaid.exists():
-        session.run("npm", "pack", "--silent", "mermaid@11", "--pack-destination", str(tmp),
-                    external=True)  # fmt: skip
-        tarball = max(tmp.glob("mermaid-11.*.tgz"))
-        member = "package/dist/mermaid.min.js"
-        session.run("tar", "-xzf", str(tarball), "-C", str(tmp), member, external=True)
-    session.run(
-        "python",
-        "tools/check_site.py",
-        *("--site", str(site), "--out", str(HERE / "site-check")),
-        *("--chromium", chromium, "--mermaid", str(mermaid), "--mermaid-url", MERMAID_URL),
-    )
 
 
 @nox.session(python="3.11")
