@@ -856,6 +856,17 @@ def _as_bytes_view(payload: Any, index: int) -> memoryview:
         ) from None
 
 
+def _key_owner(config: PrefetchConfig, rank: int, world_size: int) -> Callable[[ChunkKey], bool]:
+    """Which chunk keys are this engine's: the ranks of one engine (and other models) may share
+    a ``disk_path``; each indexes and evicts only its own files."""
+    mine = (config.model_name, world_size, rank, config.kv_dtype)
+
+    def owns(key: ChunkKey) -> bool:
+        return (key.model_name, key.world_size, key.rank, key.kv_dtype) == mine
+
+    return owns
+
+
 def _check_machine_memory(cpu_bytes: int) -> None:
     """A ``cpu_bytes`` larger than the machine's memory is a configuration error, said at
     start-up: the arena would be created lazily and fail much later, inside a lookup."""
@@ -925,6 +936,7 @@ async def open_engine(
                         read_threads=config.disk_read_threads,
                         write_queue=config.disk_write_queue,
                         o_direct=config.disk_o_direct,
+                        owns=_key_owner(config, rank, world_size),
                     )
                 )
                 tiers.append(disk)

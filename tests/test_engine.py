@@ -795,3 +795,47 @@ async def test_answer_callback_errors_are_contained(
             await trio.testing.wait_all_tasks_blocked()
         assert "callback" in caplog.text
         engine.cancel("cb")
+
+
+async def test_ranks_sharing_a_disk_path_never_index_or_evict_each_others_files(
+    tmp_path: Path,
+) -> None:
+    """The ranks of one engine share ``disk_path``: each indexes, evicts and cleans up only
+    its own chunk files (and temp files), so one rank's eviction never costs another a hit."""
+    chunk_bytes = 4096
+    file_bytes = chunk_bytes + 4096  # one chunk file, header included
+    config = PrefetchConfig(
+        chunk_size=CHUNK,
+        chunk_bytes=chunk_bytes,
+        cpu_bytes=chunk_bytes * 16,
+        disk_path=str(tmp_path),
+        disk_bytes=3 * file_bytes,
+    )
+    toks = tokens(3)
+    data = [bytes([i]) * chunk_bytes for i in range(3)]
+    async with open_engine(config, rank=0, world_size=2) as engine:
+        assert await engine.store(toks, data) == 3
+        await engine.flush()
+    # Rank 0 has a write in progress (its temp file) while rank 1 starts.
+    in_progress = trio.Path(tmp_path / "model@2@0@00000000000000ff@bfloat16.kv.tmp")
+    await in_progress.write_bytes(b"half a chunk")
+    async with open_engine(config, rank=1, world_size=2) as engine:
+        disk = engine.tiers[1]
+        assert isinstance(disk, DiskTier)
+        assert len(disk) == 0 and disk.foreign_files == 4  # rank 0's 3 files and its temp
+        # Filling rank 1's share evicts only rank 1's own files.
+        for salt in (4, 5):
+            assert await engine.store(tokens(3, salt=salt), data) == 3
+            await engine.flush()
+        assert len(disk) == 3
+        assert disk.stats.evictions == 3
+    assert len(list(await trio.Path(tmp_path).glob("model@2@0@*.kv"))) == 3  # rank 0's
+    assert await in_progress.exists()
+    async with open_engine(config, rank=0, world_size=2) as engine:  # a fresh CPU tier
+        hashes = engine.hasher.hash(toks)
+        assert await engine.lookup_and_prefetch("r", hashes, offsets(3)) == 3 * CHUNK
+        with engine.claim("r") as chunks:
+            assert [bytes(b.view()) for _, b in chunks] == data
+        assert engine.tiers[1].stale_temp_files_removed == 1  # its own temp file, at start
+        await engine.wait_quiet()
+        assert_conserved(engine)

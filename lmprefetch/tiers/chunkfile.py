@@ -37,6 +37,7 @@ import mmap
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 
 import xxhash
 
@@ -99,9 +100,14 @@ class DirectUnsupported(Exception):
     """``O_DIRECT`` was refused (``EINVAL``): read this chunk, and all later ones, buffered."""
 
 
-def scan_dir(path: str) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
+def scan_dir(
+    path: str, owns: Callable[[ChunkKey], bool] | None = None
+) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
     """Create ``path`` if needed; ``([(mtime_ns, key, file_bytes)], foreign, stale_temps)``.
-    Temporary files of interrupted writes are deleted.
+
+    Only chunk files whose key ``owns`` accepts are listed, and only their temporary files (of
+    writes a crash interrupted) are deleted: another tier sharing the directory may be writing
+    its own right now.  Everything else counts as foreign and is left alone.
 
     Raises:
         ValueError: ``path`` cannot be created, is not a directory, or is not writable (the
@@ -114,11 +120,18 @@ def scan_dir(path: str) -> tuple[list[tuple[int, ChunkKey, int]], int, int]:
         for entry in entries:
             name = entry.name
             if name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
-                unlink_quiet(entry.path)
-                stale += 1
+                temp_key = parse_name(name[: -len(TEMP_SUFFIX)] + FILE_SUFFIX)
+                if temp_key is not None and (owns is None or owns(temp_key)):
+                    unlink_quiet(entry.path)
+                    stale += 1
+                else:
+                    foreign += 1
                 continue
             key = parse_name(name)
             if key is None or not entry.is_file(follow_symlinks=False):
+                foreign += 1
+                continue
+            if owns is not None and not owns(key):
                 foreign += 1
                 continue
             try:

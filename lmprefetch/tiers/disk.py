@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import trio
 
@@ -128,6 +128,10 @@ class DiskTier(BaseTier):
         write_queue: writes waiting for the writer; past this, :meth:`enqueue_write` drops.
         o_direct: read with ``O_DIRECT`` when the destination slot and sizes are page-aligned
             (falls back to buffered reads for good on the first ``EINVAL``).
+        owns: which keys are this tier's.  Several tiers may share one directory (the ranks
+            of one engine, or several models): each indexes, evicts and cleans up only the
+            files of its own keys and leaves the others alone (counted in
+            :attr:`foreign_files`).  ``None``: every chunk file is this tier's.
     """
 
     name = "disk"
@@ -141,8 +145,10 @@ class DiskTier(BaseTier):
         write_queue: int,
         o_direct: bool,
         close_timeout_s: float = 30.0,
+        owns: Callable[[ChunkKey], bool] | None = None,
     ) -> None:
         super().__init__()
+        self._owns = owns
         if capacity_bytes < HEADER_BYTES:
             raise ValueError(f"capacity_bytes: must hold one header ({HEADER_BYTES}), got "
                              f"{capacity_bytes}")
@@ -180,7 +186,7 @@ class DiskTier(BaseTier):
     async def _rebuild_index(self) -> None:
         """Create the directory and index the chunk files already in it (oldest first)."""
         found, foreign, stale = await trio.to_thread.run_sync(
-            chunkfile.scan_dir, self.path, limiter=self._write_limiter
+            chunkfile.scan_dir, self.path, self._owns, limiter=self._write_limiter
         )
         found.sort(key=lambda entry: entry[0])  # by mtime: the best LRU order a restart has
         for _, key, size in found:
@@ -557,6 +563,7 @@ async def open_disk_tier(
     write_queue: int,
     o_direct: bool,
     close_timeout_s: float = 30.0,
+    owns: Callable[[ChunkKey], bool] | None = None,
 ) -> AsyncIterator[DiskTier]:
     """Open the disk tier in ``path``: create the directory, index the chunk files there (the
     tier survives restarts), run the write-behind task.
@@ -572,6 +579,7 @@ async def open_disk_tier(
         write_queue=write_queue,
         o_direct=o_direct,
         close_timeout_s=close_timeout_s,
+        owns=owns,
     )
     await tier._rebuild_index()
     async with trio.open_nursery() as nursery:
