@@ -14,6 +14,10 @@
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
+A session meant to exercise a component passes ``--require COMPONENT`` to pytest
+(tests/components.py): the run then fails, instead of skipping, when vLLM, torch, LMCache,
+``redis-server`` or ``redis-cli`` is missing, or when none of that component's tests ran.
+
 Sessions that need torch install it with pip (``torch==2.13.0`` is a local CPU wheel on the
 development image; uv would download the multi-GB CUDA build), so they force the virtualenv
 backend.
@@ -55,6 +59,13 @@ def _add_pyenv_pythons_to_path() -> None:
 
 
 _add_pyenv_pythons_to_path()
+
+
+def _need_redis(session: nox.Session) -> None:
+    """Stop before installing anything when the Redis suite could not run."""
+    for program in ("redis-server", "redis-cli"):
+        if shutil.which(program) is None:
+            session.error(f"{program} is not installed (apt-get install -y redis-server)")
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
@@ -135,10 +146,9 @@ def docs_browser(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def redis(session: nox.Session) -> None:
     """The remote tier against real redis-server processes (standalone and a 3-node cluster)."""
-    if shutil.which("redis-server") is None:
-        session.error("redis-server is not installed (apt-get install -y redis-server)")
+    _need_redis(session)
     session.install("-e", ".[test,redis]")
-    _pytest(session, "-q", "-m", "redis")
+    _pytest(session, "-q", "-m", "redis", "--require", "redis")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
@@ -149,7 +159,11 @@ def vllm(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[test]")
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
-    _pytest(session, "-q", "-m", "vllm or torch", "-p", "no:cacheprovider")
+    _pytest(
+        session,
+        *("-q", "-m", "vllm or torch", "-p", "no:cacheprovider"),
+        *("--require", "vllm", "--require", "torch"),
+    )
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
@@ -157,7 +171,7 @@ def lmcache(session: nox.Session) -> None:
     """Wire compatibility with, and a side-by-side benchmark against, LMCache 0.5.6."""
     session.install("torch==2.13.0", "lmcache==0.5.6")
     session.install("-e", ".[test]")
-    _pytest(session, "-q", "-m", "lmcache")
+    _pytest(session, "-q", "-m", "lmcache", "--require", "lmcache")
 
 
 @nox.session(python="3.11")
@@ -173,14 +187,13 @@ def bench(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def ci(session: nox.Session) -> None:
     """What CI runs: lint, types and the whole suite here (the Redis suite included, so
-    redis-server must be installed: the suite must not skip it silently), then the matrix
-    corners and vLLM."""
-    if shutil.which("redis-server") is None:
-        session.error("redis-server is not installed (apt-get install -y redis-server)")
+    redis-server and redis-cli must be installed: the suite must not skip it silently), then
+    the matrix corners and vLLM (which fails if vLLM does not import)."""
+    _need_redis(session)
     session.install("-e", ".[test,lint,redis]")
     session.run("ruff", "check", "lmprefetch", "tests", "examples", "tools", "noxfile.py")
     session.run("mypy", "lmprefetch")
-    _pytest(session, "-q", "-m", "not vllm and not lmcache")
+    _pytest(session, "-q", "-m", "not vllm and not lmcache", "--require", "redis")
     session.notify("tests-3.10(oldest)")
     session.notify("tests-3.13(latest)")
     session.notify("vllm")

@@ -7,6 +7,14 @@ import pytest
 
 from lmprefetch import PrefetchConfig
 
+# ``--require COMPONENT`` (see tests/components.py): the hooks are registered from here.
+from .components import (  # noqa: F401
+    pytest_addoption,
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+)
+
 
 @pytest.fixture
 def small_config() -> PrefetchConfig:

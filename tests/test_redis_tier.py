@@ -8,7 +8,9 @@ behind the tier's back.
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -49,6 +51,18 @@ TIMEOUT_S = 0.5  # per-call deadline in these tests
 BACKOFF_S = 0.2
 TEST_DEADLINE_S = 30
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "bench_redis.py"
+
+
+def failure_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The tier's "remote call failed" warnings (one per failure outside a backoff period,
+    naming the cause)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "lmprefetch.tiers.redis"
+        and r.levelno == logging.WARNING
+        and " failed" in r.getMessage()
+    ]
 
 
 def make_keys(n: int, *, model: str = "model-a", seed: int = 1) -> list[ChunkKey]:
@@ -308,27 +322,28 @@ async def test_model_names_do_not_collide(redis_url: str, arena: Arena) -> None:
 
 # -- faults (D05) ---------------------------------------------------------------------------
 async def test_d05_server_killed_answers_promptly_and_backs_off(
-    redis_server: RedisServer, arena: Arena
+    redis_server: RedisServer, arena: Arena, caplog: pytest.LogCaptureFixture
 ) -> None:
     keys = make_keys(4, seed=51)
     payloads = make_payloads(4, seed=52, size=100)
+    # The per-call deadline lies beyond the test's: only a prompt failure ends a call.
     with trio.fail_after(TEST_DEADLINE_S):
-        async with tier_on(redis_server.url) as tier:
+        async with tier_on(redis_server.url, timeout_s=2 * TEST_DEADLINE_S) as tier:
             await store_all(tier, arena, keys, payloads)
             assert await tier.contains_prefix(keys, pin=False) == 4
             redis_server.kill()
 
-            start = trio.current_time()
+            caplog.clear()
             assert await load_all(tier, arena, keys) == []  # a failed load: nothing, no raise
-            assert trio.current_time() - start < 2 * TIMEOUT_S
+            # Promptly: the refused connection ended the call.
+            [failure] = failure_messages(caplog)
+            assert "GET failed" in failure and "refused" in failure, failure
             assert tier.stats.errors == 1
             assert tier.backing_off
 
             # while backing off: an answer at once, no network call (it would fail and count)
-            start = trio.current_time()
             assert await tier.contains_prefix(keys, pin=True) == 0
             assert await load_all(tier, arena, keys) == []
-            assert trio.current_time() - start < TIMEOUT_S / 2
             assert tier.stats.errors == 1
             assert tier.pinned_count() == 0
 
@@ -351,10 +366,12 @@ async def test_d05_server_killed_answers_promptly_and_backs_off(
 
 
 async def test_d05_stopped_server_times_out_within_the_deadline(
-    redis_server: RedisServer, arena: Arena
+    redis_server: RedisServer, arena: Arena, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A server that accepts connections but never answers (SIGSTOP): the probe and the load
-    each give up at the per-call deadline with what they had."""
+    each give up at the per-call deadline with what they had.  Both bounds of a call (the
+    Trio-side deadline, "no answer", and redis-py's socket timeout) are ``timeout_s``; the
+    failure must be one of them, while the server is still stopped."""
     keys = make_keys(4, seed=61)
     payloads = make_payloads(4, seed=62, size=100)
     with trio.fail_after(TEST_DEADLINE_S):
@@ -362,16 +379,18 @@ async def test_d05_stopped_server_times_out_within_the_deadline(
             await store_all(tier, arena, keys, payloads)
             redis_server.pause()
             try:
-                start = trio.current_time()
+                caplog.clear()
                 assert await tier.contains_prefix(keys, pin=True) == 0
-                assert trio.current_time() - start < 2 * TIMEOUT_S
                 assert tier.pinned_count() == 0
                 assert tier.backing_off
                 await trio.sleep_until(tier.retry_at)
-                start = trio.current_time()
                 assert await load_all(tier, arena, keys) == []
-                assert trio.current_time() - start < 2 * TIMEOUT_S
                 assert tier.stats.errors == 2
+                failures = failure_messages(caplog)
+                assert len(failures) == 2, failures
+                for failure, call in zip(failures, ("EXISTS", "GET"), strict=True):
+                    assert f"{call} failed" in failure, failure
+                    assert re.search(r"no answer|[Tt]imeout|timed out", failure), failure
             finally:
                 redis_server.resume()
             # the server is back: the first call after the backoff succeeds and resets it
@@ -451,10 +470,8 @@ async def test_d05_cluster_node_killed(tmp_path: Path, arena: Arena) -> None:
                 limit = await trio.to_thread.run_sync(first_on_dead_node)
                 assert limit < len(keys)
                 dead.kill()
-                start = trio.current_time()
                 hits = await tier.contains_prefix(keys, pin=True)
                 loaded = await load_all(tier, arena, keys)
-                assert trio.current_time() - start < 4 * TIMEOUT_S
                 assert hits <= limit
                 assert len(loaded) <= limit
                 assert loaded == payloads[: len(loaded)]
@@ -471,19 +488,19 @@ async def test_cancelled_load_returns_at_once_and_never_writes_buffers(
 ) -> None:
     keys = make_keys(3, seed=101)
     payloads = make_payloads(3, seed=102, size=100)
+    # The per-call timeout lies beyond the test's deadline: a load that waited for its
+    # fetch thread (blocked on the stopped server) instead of abandoning it would fail.
     with trio.fail_after(TEST_DEADLINE_S):
-        async with tier_on(redis_server.url, timeout_s=2.0) as tier:
+        async with tier_on(redis_server.url, timeout_s=2 * TEST_DEADLINE_S) as tier:
             await store_all(tier, arena, keys, payloads)
             bufs = arena.allocate_many(3)
             try:
                 for buf in bufs:
                     buf.slot()[:] = b"\xab" * buf.capacity
                 redis_server.pause()
-                start = trio.current_time()
                 with trio.move_on_after(0.1) as scope:
                     await tier.load(keys, bufs)
-                assert scope.cancelled_caught
-                assert trio.current_time() - start < 0.5  # the fetch thread was abandoned
+                assert scope.cancelled_caught  # returned: the fetch thread was abandoned
                 redis_server.resume()
                 await tier.aclose()  # waits for the abandoned thread to end
                 assert all(b.length == 0 for b in bufs)

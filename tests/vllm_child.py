@@ -1,7 +1,8 @@
 """A child process for ``tests/test_vllm_e2e.py``: one vLLM ``LLM``.
 
-Run as ``python tests/vllm_child.py '<json spec>'``; it generates the spec's prompts for a
-number of rounds and prints one JSON line (prefixed ``RESULT ``) with the outputs.  With one
+Run as ``python tests/vllm_child.py '<json spec>'``; it generates the spec's prompts in batches
+(``batches``: lists of prompt indices, one ``generate`` call each, one after the other) and
+prints one JSON line (prefixed ``RESULT ``) with the outputs, batch by batch.  With one
 rank and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine runs in this process, and with the
 connector the line also carries the connector's and the worker runtime's counters (reachable
 because scheduler and worker live here).  With ``tensor_parallel_size`` > 1 the ranks are
@@ -39,18 +40,17 @@ def main() -> int:
         kv_transfer_config=ktc,
     )
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False)
-    rounds = []
-    for _ in range(spec["rounds"]):
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False
-        )
-        rounds.append(
+    batches = []
+    for batch in spec["batches"]:
+        prompts = [TokensPrompt(prompt_token_ids=spec["prompts"][i]) for i in batch]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        batches.append(
             [
                 {"cached_tokens": o.num_cached_tokens or 0, "output": list(o.outputs[0].token_ids)}
                 for o in outputs
             ]
         )
-    result: dict[str, Any] = {"rounds": rounds}
+    result: dict[str, Any] = {"batches": batches}
     if ktc is not None and tp == 1:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

@@ -39,6 +39,22 @@ def _worker_main(
         metrics_port=0 if metrics else None,
     )
     engine = runtime.engine
+    # Every message the server handles reaches the engine as start_lookup or cancel: wrap
+    # both (before any message can arrive) so that wait_idle can wait for the next one.
+    changed: list[trio.Event] = []
+
+    def signalling(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for event in changed:
+                    event.set()
+
+        return call
+
+    for name in ("start_lookup", "cancel"):
+        setattr(engine, name, signalling(getattr(engine, name)))
     for tokens, payloads in preload:
         runtime.store(tokens, payloads)
     conn.send(("ready", runtime.metrics_port))
@@ -46,9 +62,14 @@ def _worker_main(
     async def wait_idle(timeout_s: float) -> bool:
         with trio.move_on_after(timeout_s):
             while not engine.is_idle():
-                await engine.wait_quiet()
-                if not engine.is_idle():
-                    await trio.sleep(0.001)  # a held result waits for its cleanup message
+                event = trio.Event()
+                changed.append(event)
+                try:
+                    await engine.wait_quiet()  # every lookup task ended
+                    if not engine.is_idle():
+                        await event.wait()  # a held result waits for its cleanup message
+                finally:
+                    changed.remove(event)
         return bool(engine.is_idle())
 
     held_reads: list[threading.Event] = []  # [a read reached the gate, the gate is open]
