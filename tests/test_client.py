@@ -22,6 +22,7 @@ import msgspec
 import pytest
 import zmq
 
+import lmprefetch.bridge as bridge_module
 import lmprefetch.client as client_module
 from lmprefetch.client import LookupClient
 from lmprefetch.config import PrefetchConfig
@@ -534,8 +535,15 @@ def test_d08_pending_poll_is_cheap_and_never_sleeps(
         raise AssertionError("the scheduler path slept")
 
     monkeypatch.setattr(time, "sleep", no_sleep)
-    for name in ("_lock", "_cond", "_send_lock"):
-        monkeypatch.setattr(client, name, LockSpy(getattr(client, name), name, watch))
+    table = client._table  # what the client shares with its bridge thread
+    for owner, name in (
+        (client, "_lock"),
+        (client, "_cond"),
+        (table, "lock"),
+        (table, "cond"),
+        (table, "send_lock"),
+    ):
+        monkeypatch.setattr(owner, name, LockSpy(getattr(owner, name), name, watch))
     for name in ("write", "read"):
         monkeypatch.setattr(os, name, watch.wrap(f"os.{name}", getattr(os, name)))
     for name in ("send", "send_multipart", "recv", "recv_multipart", "poll"):
@@ -750,7 +758,7 @@ def test_submit_racing_the_bridge_wake_up_is_not_lost(
     the worker through its wake-up: the bridge's idle timeout is an hour here, so a lost
     wake-up shows as no request within the test's deadline.
     """
-    monkeypatch.setattr(client_module, "_IDLE_CHECK_MS", 3_600_000)
+    monkeypatch.setattr(bridge_module, "_IDLE_CHECK_MS", 3_600_000)
     client, (worker,) = cluster(1)
     real_clear = client._table.waker.clear
     injected: list[str] = []
