@@ -11,34 +11,39 @@ Run it from the repository root::
 
 What runs:
 
-* ``--ranks`` worker processes (default 2), each a :class:`~lmprefetch.WorkerRuntime` serving
-  lookups over ipc, with a CPU tier much smaller than the corpus and a disk tier; all ranks
-  share one ``disk_path`` (each indexes, evicts and cleans up only its own files).  A control
-  pipe per worker stores prompts, claims held lookups and reads stats.  Every chunk's payload is
-  a pure function of ``(rank, chunk hash)``, so the driver knows the right bytes of every chunk.
-* ``--threads`` traffic threads (default 8) share **one** `LookupClient`: they look prompts up
-  (whole, partial, with unknown tails; half of them with precomputed hashes, which sends from
-  the calling thread), cancel some mid-lookup, claim answered ones on every rank and check the
-  claimed bytes, or cancel them; now and then they store a new prompt.
+* Two worker processes (``Settings.ranks``), each a :class:`~lmprefetch.WorkerRuntime` serving
+  lookups over ipc, with a CPU tier several times smaller than the data and a disk tier; both
+  ranks share one ``disk_path`` (each indexes, evicts and cleans up only its own files).  A
+  control pipe per worker stores prompts, claims held lookups and reads stats.  Every chunk's
+  payload is a pure function of ``(rank, chunk hash)``, so the driver knows the right bytes of
+  every chunk.
+* Eight traffic threads share **one** `LookupClient`: they look prompts up (whole, partial,
+  with unknown tails; half with precomputed hashes, which sends from the calling thread),
+  cancel some mid-lookup, claim answered ones on every rank and check the claimed bytes, or
+  cancel them; now and then they store a prompt.
 * A fault thread injects faults on a seeded random schedule for ``--seconds`` (or, with
-  ``--smoke``, a fixed list with one or two of each kind): **kill** (SIGKILL, then a restart
+  ``--smoke``, a fixed list with one to three of each kind): **kill** (SIGKILL, then a restart
   as a supervisor would: the new process must index exactly the chunk files the old one left
-  and remove exactly its stale temporary files), **pause** (SIGSTOP, SIGCONT), **delete**,
-  **truncate** and **corrupt** a chunk file (a flipped payload or header byte, or another
-  chunk's file in its place), and **full disk** (the shared directory is a small tmpfs, filled
-  to the last page).  Half the faults are *targeted*: they set up a case whose outcome is
-  known exactly (a worker killed while a disk read is held inside its load; a file damaged
-  while the load that reads it is held before the read; a store while the disk is full) and
-  check that outcome.  The others are *blind*: at a random moment, on a random rank or file.
+  and remove exactly its stale temporary files; rank 0 is never killed, so one process lives
+  through the whole run), **pause** (SIGSTOP until every thread stopped, then SIGCONT),
+  **delete**, **truncate** and **corrupt** a chunk file (a flipped payload or header byte, or
+  another chunk's file in its place), and **full disk** (the shared directory is a small
+  tmpfs, filled to the last page).  Half the faults are *targeted*: they set up a case whose
+  outcome is known exactly (a worker killed while a disk read is held inside a lookup's load,
+  or while a chunk file is half written; a file damaged while the load that reads it waits
+  before its first read; a lookup sent to a stopped worker; a store while the disk is full)
+  and check that outcome.  The others are *blind*: a random rank or file at a random moment.
 * A monitor thread reads every live worker's stats twice a second and checks the invariants
   that must hold at any time; the traffic threads check every answer and every claimed chunk.
 
-Checked at the end: every lookup was answered or timed out to 0 exactly once (the client's
-counters match the threads' tallies, no duplicate answer); no chunk with wrong bytes; on every
-live worker, ``answers_sent == requests_accepted`` and the conservation invariant (no lookup
-in flight or held, no pin, limiter 0, arena bytes = CPU tier bytes), ``lookups_failed == 0`` and
-no error logged; no file descriptor or thread left by the client after ``close``; RSS growth
-of every process that was never killed (reported; bounded in a full run).
+Checked at the end: every lookup was submitted once and answered or timed out to 0 at most
+once (the client's counters against the driver's, no duplicate answer, none pending); no chunk
+with wrong bytes; on every live worker ``answers_sent == requests_accepted``, the conservation
+invariant (no lookup in flight or held, no pin, limiter 0, arena bytes = CPU tier bytes),
+``lookups_failed == 0``, ``lookups_expired == 0`` (every held result was claimed or cancelled:
+one that expired had its cleanup lost) and no error logged; no file descriptor, thread or
+ZeroMQ thread left after closing the client and the workers; RSS growth of the processes that
+were never killed (reported; bounded in a full run).
 
 The full disk needs a tmpfs.  The driver re-executes itself under ``unshare --mount`` (as
 root) or ``unshare --user --map-root-user --mount`` (as a normal user, where the kernel allows
@@ -91,12 +96,16 @@ FILE_BYTES = HEADER_BYTES + CHUNK_BYTES
 MiB = 1 << 20
 _IN_NAMESPACE = "LMPREFETCH_CHAOS_NAMESPACE"
 KINDS = ("kill", "pause", "delete", "truncate", "corrupt", "full_disk")
-SMOKE_FAULTS: list[tuple[str, bool]] = [  # (kind, targeted), in this order
-    ("kill", True),
+#: The smoke run's faults, in this order: (kind[:variant], targeted).
+SMOKE_FAULTS: list[tuple[str, bool]] = [
+    ("kill", True),  # with a disk read held inside a load
+    ("kill", True),  # with a chunk file half written
     ("pause", True),
     ("delete", True),
     ("truncate", True),
-    ("corrupt", True),
+    ("corrupt:payload", True),  # each check of a chunk file read once: the checksum,
+    ("corrupt:header", True),  # the header's fields,
+    ("corrupt:other-key", True),  # the key
     ("full_disk", True),
     ("kill", False),
     ("pause", False),
@@ -207,11 +216,41 @@ def _worker_main(
         gate["opened"].set()
         del disk._read_chunk  # the instance attribute: back to the class's method
 
+    def store_with_held_write(tokens: list[int]) -> bool:
+        """Store a prompt, and stop the first of its disk writes half-way: the temporary file
+        holds a few bytes and the writer thread waits (until the process is killed).  Returns
+        once that write is held.  One command, so no other command (a store that waits for
+        its writes) can come in between on the pipe."""
+        from lmprefetch.tiers import chunkfile
+
+        reached, real = threading.Event(), chunkfile.write_file
+
+        def held(final: str, temp: str, key_bytes: bytes, data: memoryview) -> None:
+            chunkfile.write_file = real  # only this one write is held
+            with open(temp, "wb") as f:
+                f.write(b"LMPF")  # a torn write, as a crash leaves it
+            reached.set()
+            threading.Event().wait(hang_s)
+            real(final, temp, key_bytes, data)
+
+        def patch() -> None:
+            chunkfile.write_file = held
+
+        runtime.call(patch)
+        hashes = hasher.hash(tokens)
+        runtime.store_hashes(hashes, [payload(rank, h) for h in hashes])
+        return reached.wait(hang_s)
+
     async def quiesce(timeout_s: float) -> bool:
         with trio.move_on_after(timeout_s):
             await engine.wait_quiet()
             return True
         return False
+
+    def held_now() -> list[tuple[str, int, str]]:
+        """The lookups the engine still tracks (a diagnostic for a failed end check)."""
+        records = list(getattr(engine, "_lookups", {}).values())
+        return [(r.lookup_id, r.seq, r.state.name) for r in records]
 
     def claim(lookup_id: str) -> list[tuple[int, int, int]]:
         out = []
@@ -237,6 +276,7 @@ def _worker_main(
         "stats": lambda _: stats(),
         "claim": claim,
         "store": lambda arg: store(arg[0], arg[1]),
+        "store_with_held_write": store_with_held_write,
         "files": lambda tokens: [
             disk._file_path(k) for k in engine.keys.keys(hasher.hash(tokens))
         ],
@@ -244,6 +284,7 @@ def _worker_main(
         "wait_read_held": lambda t: gate["reached"].wait(float(t)),
         "release_reads": lambda _: runtime.call(release_reads),
         "quiesce": lambda t: runtime.call(quiesce, float(t)),
+        "held": lambda _: runtime.call(held_now),
     }
     store(preload, False)
     conn.send((
@@ -314,7 +355,13 @@ class Worker:
         if not parent.poll(self.h.s.hang_s + 60):
             proc.kill()
             raise Hang(f"rank {self.rank} did not start")
-        status, ready = parent.recv()
+        try:
+            status, ready = parent.recv()
+        except EOFError:
+            proc.join(self.h.s.hang_s)
+            raise RuntimeError(
+                f"rank {self.rank} failed to start (exit code {proc.exitcode}; see its stderr)"
+            ) from None
         assert status == "ok", ready
         self.process, self.conn, self.pid = proc, parent, ready["pid"]
         self.generation += 1
@@ -366,8 +413,20 @@ class Worker:
         return ready
 
     def pause(self) -> None:
+        """SIGSTOP, and wait until every thread of the process has stopped.
+
+        ``kill`` only queues the signal: on a busy machine the thread that takes it may wait
+        for a CPU while the process's other threads go on (and answer a lookup) for a few
+        milliseconds.  ``waitpid(WUNTRACED)`` returns once the group stop is complete (the
+        workers are this process's children; multiprocessing never asks for stop reports).
+        """
         self.paused = True
         os.kill(self.pid, signal.SIGSTOP)
+        waiter = threading.Thread(target=os.waitpid, args=(self.pid, os.WUNTRACED), daemon=True)
+        waiter.start()
+        waiter.join(self.h.s.hang_s)
+        if waiter.is_alive():
+            raise Hang(f"rank {self.rank} did not stop")
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
@@ -657,7 +716,9 @@ class Harness:
         self.submit(lookup_id, tokens)
         result = client.wait(lookup_id, self.s.lookup_timeout_s + self.s.hang_s)
         if result != 0:
-            self.violation(f"{what}: a lookup a stopped rank could not answer gave {result!r}")
+            entry = getattr(client, "_entries", {}).get(lookup_id)
+            self.violation(f"{what}: a lookup a stopped rank could not answer gave {result!r} "
+                           f"(answers by rank: {getattr(entry, 'answers', '?')})")
         client.cancel(lookup_id)
         self.count("doomed_lookups_zero")
 
@@ -834,18 +895,25 @@ class Harness:
 
     # -- faults -------------------------------------------------------------------------
     def inject(self, kind: str, targeted: bool) -> None:
+        kind, _, variant = kind.partition(":")
         # Rank 0 is never killed: one process lives through the whole run, so its counters,
         # its conservation at the end and its RSS growth cover all of it.
         low = 1 if kind in ("kill", "full_disk") else 0
         w = self.workers[self.rng.randrange(low, self.s.ranks)]
         label = f"{kind}-{'targeted' if targeted else 'blind'}"
-        if kind == "kill":
-            self.kill_targeted(w) if targeted else w.kill_and_restart()
+        if kind == "kill" and targeted:
+            # Alternately mid-load and mid-write.
+            if self.faults["kill-targeted"] % 2:
+                self.kill_mid_write(w)
+            else:
+                self.kill_targeted(w)
+        elif kind == "kill":
+            w.kill_and_restart()
         elif kind == "pause":
             self.pause_targeted(w) if targeted else self.pause_blind(w)
         elif kind in ("delete", "truncate", "corrupt"):
             if targeted:
-                self.damage_targeted(w, kind)
+                self.damage_targeted(w, kind, variant or None)
             elif not self.damage_blind(w, kind):
                 return  # no file of this rank to damage right now
         elif kind == "full_disk":
@@ -879,6 +947,18 @@ class Harness:
                               gens, "after-restart")
         self.client.forget(lookup_id)
 
+    def kill_mid_write(self, w: Worker) -> None:
+        """Kill a worker while its writer thread is half-way through a chunk file: the
+        restarted worker must remove that temporary file (and index everything else)."""
+        if not w.ask("store_with_held_write", self.fresh_prompt()):
+            raise Hang(f"rank {w.rank}: the write-behind never started")
+        if not self.own_files(w.rank)[1]:
+            self.violation(f"rank {w.rank}: no temporary file while a write was held")
+        ready = w.kill_and_restart()  # checks the count of stale files removed
+        self.count("killed_mid_write")
+        if ready["stale_temp_files_removed"] < 1:
+            self.violation(f"rank {w.rank}: the restart removed no stale temporary file")
+
     def pause_targeted(self, w: Worker) -> None:
         tokens = self.fresh_prompt()
         self.store_everywhere(tokens)
@@ -903,7 +983,10 @@ class Harness:
         finally:
             w.resume()
 
-    def damage(self, kind: str, path: str, rng: random.Random, others: list[str]) -> str:
+    def damage(
+        self, kind: str, path: str, rng: random.Random, others: list[str],
+        variant: str | None = None,
+    ) -> str:
         """Damage one chunk file in place; the variant applied."""
         size = os.path.getsize(path)
         if kind == "delete":
@@ -913,7 +996,7 @@ class Harness:
             os.truncate(path, rng.randrange(size))
             return "truncate"
         variants = ["payload", "header"] + (["other-key"] if others else [])
-        variant = rng.choice(variants)
+        variant = variant or rng.choice(variants)
         if variant == "other-key":  # another chunk's (valid) file under this name
             data = Path(rng.choice(others)).read_bytes()
             with open(path, "r+b") as f:
@@ -931,7 +1014,7 @@ class Harness:
             f.write(bytes([old ^ rng.randrange(1, 256)]))
         return variant
 
-    def damage_targeted(self, w: Worker, kind: str) -> None:
+    def damage_targeted(self, w: Worker, kind: str, variant: str | None = None) -> None:
         """Damage chunk ``k`` of a prompt while the load that reads it waits before its first
         read: the answer must be exactly the ``k`` chunks before it."""
         assert self.client is not None
@@ -948,7 +1031,8 @@ class Harness:
         try:
             if not w.ask("wait_read_held", self.s.hang_s):
                 raise Hang(f"rank {w.rank}: the load never reached its disk read")
-            variant = self.damage(kind, files[k], self.rng, [f for f in files if f != files[k]])
+            others = [f for f in files if f != files[k]]
+            variant = self.damage(kind, files[k], self.rng, others, variant)
             self.count(f"damage_{variant}")
         finally:
             w.ask("release_reads")
@@ -1002,8 +1086,9 @@ class Harness:
         assert self.client is not None
         ballast = self.disk.root / "ballast"
         with self.traffic_parked():
-            filled = _fill(ballast)
+            filled, files = _fill(ballast)
             self.count("ballast_bytes", filled)
+            self.count("ballast_files", files)
             try:
                 tokens = self.fresh_prompt()
                 n = len(tokens) // CHUNK
@@ -1041,7 +1126,7 @@ class Harness:
                 w.kill_and_restart()  # a supervisor restarts a worker on the full disk
                 self.count("restarts_on_full_disk")
             finally:
-                ballast.unlink()
+                shutil.rmtree(ballast)
             tokens = self.fresh_prompt()
             before = [x.ask("stats")["tiers"]["disk"]["chunks_stored"] for x in self.workers]
             self.store_everywhere(tokens, disk_only_rank=w.rank)
@@ -1168,6 +1253,8 @@ class Harness:
             s = w.ask("stats")
             self.final[w.rank] = s
             self.check_live(w.rank, s, final=True)
+            if s["held_lookups"] or s["inflight_lookups"] or s["lookups_expired"]:
+                self.violation(f"rank {w.rank}: lookups still tracked: {w.ask('held')}")
 
     # -- figures ------------------------------------------------------------------------
     def figures(
@@ -1247,10 +1334,12 @@ def _native_threads() -> dict[int, str]:
     return out
 
 
-def _fill(path: Path) -> int:
-    """Write ``path`` until the file system refuses (``ENOSPC``); the bytes written."""
-    written = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _fill(ballast: Path) -> tuple[int, int]:
+    """Fill the file system: a file written until ``ENOSPC`` (every block), then empty files
+    created until ``ENOSPC`` (every inode).  ``(bytes, files)``; remove ``ballast`` after."""
+    ballast.mkdir()
+    written = files = 0
+    fd = os.open(ballast / "blocks", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         for block in (1 << 20, 1 << 16, 1 << 12, 1):
             data = b"\xa5" * block
@@ -1263,7 +1352,14 @@ def _fill(path: Path) -> int:
                     break
     finally:
         os.close(fd)
-    return written
+    while True:
+        try:
+            os.close(os.open(ballast / str(files), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return written, files
+        files += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1283,13 +1379,14 @@ def _unshare_prefix() -> list[str] | None:
     return None
 
 
-def _setup_disk(tmpfs_bytes: int) -> DiskSetup:
+def _setup_disk(tmpfs_bytes: int, tmpfs_inodes: int) -> DiskSetup:
     root = Path(tempfile.mkdtemp(prefix="lmprefetch-chaos-"))
     if os.environ.get(_IN_NAMESPACE):
-        cmd = ["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes}", "tmpfs", str(root)]
+        options = f"size={tmpfs_bytes},nr_inodes={tmpfs_inodes}"
+        cmd = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(root)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if done.returncode == 0:
-            how = (f"a {tmpfs_bytes // MiB} MiB tmpfs (`mount -t tmpfs -o size={tmpfs_bytes}`) in "
+            how = (f"a {tmpfs_bytes // MiB} MiB tmpfs (`mount -t tmpfs -o {options}`) in "
                    f"a private mount namespace (`{os.environ[_IN_NAMESPACE]}`)")
             return DiskSetup(root, tmpfs_bytes, how)
         reason = f"mount -t tmpfs failed: {done.stderr.strip() or done.returncode}"
@@ -1493,6 +1590,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=180.0, help="fault phase (default 180)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="the short scripted run of the tests")
+    p.add_argument("--lookup-timeout", type=float, default=2.0,
+                   help="the client's lookup_timeout_s (default 2)")
     p.add_argument("--report", type=Path, help="write the figures under '## Chaos' in this file")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     p.add_argument("--no-namespace", action="store_true",
@@ -1505,9 +1604,14 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [*prefix, sys.executable, "-m", "tests.chaos", *(argv or sys.argv[1:])]
             return subprocess.run(cmd, env=env).returncode
     logging.basicConfig(level=logging.ERROR)  # the client warns on every timeout
-    s = Settings.smoke_run(args.seed) if args.smoke else Settings(seconds=args.seconds,
-                                                                    seed=args.seed)
-    disk = _setup_disk(s.ranks * s.disk_bytes + 4 * MiB)
+    if args.smoke:
+        s = Settings.smoke_run(args.seed)
+    else:
+        s = Settings(seconds=args.seconds, seed=args.seed)
+    s.lookup_timeout_s = args.lookup_timeout
+    # Room for every rank's tier at its capacity (so only the ballast makes the disk full),
+    # and inodes for four times the files that fit.
+    disk = _setup_disk(s.ranks * s.disk_bytes + 4 * MiB, 4 * s.ranks * s.disk_bytes // FILE_BYTES)
     try:
         h = Harness(s, disk)
         fig = h.run()
@@ -1518,6 +1622,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(fig, indent=1, default=str))
     if args.report and not args.smoke:
         command = f"python -m tests.chaos --seconds {s.seconds:g} --seed {s.seed}"
+        if s.lookup_timeout_s != 2.0:
+            command += f" --lookup-timeout {s.lookup_timeout_s:g}"
         write_report(args.report, fig, command)
     return 1 if fig["violation_count"] or fig["aborted"] else 0
 

@@ -1,8 +1,10 @@
 """The chaos harness's smoke run, so the harness itself cannot rot.
 
 ``python -m tests.chaos --smoke`` runs the whole harness of ``nox -s chaos`` (see
-``tests/chaos.py``) with a fixed list of faults instead of a timed random schedule: each kind
-once targeted and once blind (a full disk once), spaced by the traffic's progress, not by time.
+``tests/chaos.py``) with a fixed list of faults instead of a timed random schedule: every kind
+targeted (a kill mid-load and mid-write, a corruption of each kind the reader checks: payload,
+header, key) and blind once each, and a full disk once, spaced by the traffic's progress, not
+by time.
 It runs in a subprocess, so the harness's checks for left file descriptors and threads see
 only what it made, and its private tmpfs (``unshare``) dies with it.
 
@@ -45,15 +47,20 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     fig = json.loads(out.read_text())
     assert fig["violations"] == [] and fig["violation_count"] == 0 and not fig["aborted"]
     assert fig["wrong_bytes"] == 0
-    for kind in KINDS:  # each once targeted, once blind
-        assert fig["faults"][f"{kind}-targeted"] == 1, kind
+    targeted = {"kill": 2, "pause": 1, "delete": 1, "truncate": 1, "corrupt": 3}
+    for kind in KINDS:
+        assert fig["faults"][f"{kind}-targeted"] == targeted[kind], kind
         assert fig["faults"][f"{kind}-blind"] == 1, kind
     counters, traffic, client = fig["counters"], fig["traffic"], fig["client"]
+    for variant in ("payload", "header", "other-key"):  # at least the targeted one each
+        assert counters[f"damage_{variant}"] >= 1, variant
     assert counters["killed_mid_load"] == 1
+    assert counters["killed_mid_write"] == 1
+    assert counters["stale_temp_files_removed_on_restart"] >= 1  # the half-written file
     assert counters["doomed_lookups_zero"] == 1  # the lookup sent to the stopped worker
     assert counters["files_damaged_blind"] >= 3  # each blind fault hit 1-3 files
     # Every restart found exactly the files the killed process left.
-    restarts = 3 if fig["disk"]["full_disk_unavailable"] is None else 2
+    restarts = 4 if fig["disk"]["full_disk_unavailable"] is None else 3
     assert counters["restarts"] == counters["restarts_found_disk"] == restarts
     # The eight threads did real work through one client, all of it checked.
     assert traffic["lookups"] > 0 and traffic["claims"] > 0
@@ -74,4 +81,5 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     # Below its capacity every rank's tier refused each write of the prompt with ENOSPC.
     assert "full_disk_rank_at_capacity" not in counters
     assert counters["writes_refused_by_full_disk"] == 2 * 6  # ranks x chunks of the prompt
-    assert counters["restarts_on_full_disk"] == 1
+    assert counters["restarts_on_full_disk"] == 1  # with no free block and no free inode
+    assert counters["ballast_bytes"] > 0 and counters["ballast_files"] > 0
