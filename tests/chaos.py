@@ -1534,31 +1534,40 @@ and now and then store prompts. Meanwhile faults come on a seeded random schedul
 * **kill** — SIGKILL, then a restart as a supervisor would do it (rank 0 is never killed, so
   one process lives through the whole run); the new process must index exactly the chunk files
   the old one left and remove exactly its stale temporary files;
-* **pause** — SIGSTOP, then SIGCONT;
+* **pause** — SIGSTOP (waiting until every thread of the process has stopped), then SIGCONT;
 * **delete**, **truncate**, **corrupt** a chunk file (a flipped payload or header byte, or
   another chunk's file under its name);
-* **full disk** — the directory is a small tmpfs, filled to the last page: every rank's disk
-  writes must fail and be dropped and counted, with no temporary file left (a rank at its
-  capacity may first evict its own files, which frees exactly the room a new file takes);
-  lookups still answer from memory; a worker restarts on the full disk; once the space is
-  back, writes succeed again.
+* **full disk** — the directory is a small tmpfs, filled to the last page and the last inode:
+  every rank's disk writes must fail and be dropped and counted, with no temporary file left
+  (a rank at its capacity may first evict its own files, which frees exactly the room a new
+  file takes); lookups still answer from memory; a worker restarts on the full disk and finds
+  its files; once the space is back, writes succeed again.
 
 Half of the faults are *targeted*: they set up a case whose outcome is known exactly — a
 worker killed while a disk read of a lookup is held inside its load (that lookup ends as 0;
-the restarted worker serves the prompt from disk); a file damaged while the load that reads it
-is held before its first read (the answer is exactly the chunks before the damaged one, a
-corrupt file is removed and counted); a lookup sent to a stopped worker (it times out to 0).
-The other half are *blind*: a random rank or file at a random moment, under load.
+the restarted worker serves the prompt from disk), or while one of its chunk files is half
+written (the restarted worker removes that temporary file); a file damaged while the load that
+reads it is held before its first read (the answer is exactly the chunks before the damaged
+one, a corrupt file is removed and counted); a lookup sent to a stopped worker (it times out
+to 0). The other half are *blind*: a random rank or file at a random moment, under load.
 
 Checked all along: every answer is a whole number of chunks within what was stored and never
 changes once given; every claimed chunk has exactly the stored bytes under the right key; on
-every live worker `answers_sent ≤ requests_accepted`, `lookups_failed = 0`, no malformed
-message, no error logged, the limiter within bounds. Checked at the end, after a barrier
-lookup that every cleanup precedes: every live worker has `answers_sent = requests_accepted`,
-nothing in flight or held, no pin, limiter 0, arena bytes = CPU tier bytes; the client's
-counters match the driver's (every lookup submitted once, answered or timed out at most once,
-no duplicate answer, none pending); after closing the client and the workers no file
-descriptor, thread or ZeroMQ thread is left; RSS growth of the processes never killed.
+every live worker `answers_sent ≤ requests_accepted`, `lookups_failed = 0`,
+`lookups_expired = 0` (every held result is claimed or cancelled, so one that expires lost its
+cleanup), no malformed message, no error logged, the limiter within bounds. Checked at the
+end, after a barrier lookup that every cleanup precedes: every live worker has
+`answers_sent = requests_accepted`, nothing in flight or held, no pin, limiter 0, arena bytes
+= CPU tier bytes; the client's counters match the driver's (every lookup submitted once,
+answered or timed out at most once, no duplicate answer, none pending); after closing the
+client and the workers no file descriptor, thread or ZeroMQ thread is left; RSS growth of the
+processes never killed (the client's share includes its table of the last 65,536 forgotten
+ids, kept for a late cancel, which fills as the run goes on).
+
+Found by this session so far: a worker could not restart on a full disk — the start-up probe
+file failed with `ENOSPC` (no free inode) and the disk tier took that for an unwritable
+`disk_path`. Now a full file system at start-up is a warning, and the tier serves what it
+holds.
 
 Command: `{command}` (`nox -s chaos` runs it; `nox -s chaos -- --seconds 600 --seed 7`
 changes the budget and the schedule; `--smoke` is the scripted short run in the test suite,
