@@ -1488,7 +1488,8 @@ def write_report(path: Path, fig: dict[str, Any], command: str) -> None:
         ("**wrong bytes**", f"**{fig['wrong_bytes']}**"),
         ("stores by the threads", f"{t['stores']} prompts"),
         ("kills", f"{both('kill')}; {cn.get('killed_mid_load', 0)} with a disk read held "
-                  "inside the load"),
+                  f"inside a load, {cn.get('killed_mid_write', 0)} with a chunk file half "
+                  "written"),
         ("restarts that found their disk tier",
          f"{cn.get('restarts_found_disk', 0)} of {cn.get('restarts', 0)} "
          f"({cn.get('chunk_files_found_after_restart', 0)} chunk files indexed, "
@@ -1523,9 +1524,9 @@ def write_report(path: Path, fig: dict[str, Any], command: str) -> None:
     body = f"""## Chaos
 
 `tests/chaos.py` runs whole worker processes under failure while one `LookupClient` is used
-from {fig['settings']['threads']} threads at once, and checks the contract all along.
-{fig['settings']['ranks']} worker ranks (each a `WorkerRuntime` serving lookups over ipc, with a
-CPU tier much smaller than the data and a disk tier in one shared directory) hold prompts
+from {fig['settings']['threads']} threads at once, and checks the contract all along. The
+worker ranks ({fig['settings']['ranks']}, each a `WorkerRuntime` serving lookups over ipc, with
+a CPU tier much smaller than the data and a disk tier in one shared directory) hold prompts
 whose every chunk has known bytes. The threads look prompts up (whole, partial, with unknown
 tails; half with precomputed hashes, which sends from the calling thread), cancel some
 mid-lookup, claim answered ones on every rank and compare every claimed byte, or cancel them,
