@@ -11,6 +11,8 @@
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
+* ``chaos``   — worker processes killed and paused, chunk files damaged, the disk full, one
+  client from 8 threads, for a few minutes; figures into ``docs/reliability.md`` (not in ``ci``).
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -182,6 +184,18 @@ def bench(session: nox.Session) -> None:
     session.run("python", "examples/bench_engine.py")
     if shutil.which("redis-server") is not None:
         session.run("python", "examples/bench_redis.py")
+
+
+@nox.session(python="3.11")
+def chaos(session: nox.Session) -> None:
+    """Faults on a seeded schedule against real worker processes (``tests/chaos.py``).
+
+    Writes its figures under "Chaos" in docs/reliability.md.  Arguments go to the harness:
+    ``nox -s chaos -- --seconds 600 --seed 7``."""
+    session.install("-e", ".[test]")
+    session.run(
+        "python", "-m", "tests.chaos", "--report", "docs/reliability.md", *session.posargs
+    )
 
 
 @nox.session(python="3.11")

@@ -307,6 +307,48 @@ async def test_foreign_files_ignored_and_stale_temp_files_removed(tmp_path: Path
     )
 
 
+def _no_new_files(err: int) -> Callable[..., int]:
+    """``os.open`` that refuses to create files with ``err``, as a full (or read-only) file
+    system does; opening existing files for reading works."""
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(err, os.strerror(err), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    return open_
+
+
+async def test_opens_on_a_full_file_system_and_serves_what_it_holds(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker restarted while its disk is full (no free inode: not even the start-up probe
+    file can be created) starts, serves the chunks on disk, and drops and counts new writes.
+    The chaos session restarts a worker on a filled tmpfs; this is that case without a mount."""
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(3))
+        with monkeypatch.context() as m:
+            m.setattr(os, "open", _no_new_files(errno.ENOSPC))
+            async with opened(tmp_path) as tier:
+                assert len(tier) == 3
+                got = await load(tier, arena, [key(h) for h in range(3)])
+                assert got == [payload(h) for h in range(3)]
+                assert enqueue(tier, arena, 7)
+                await tier.flush()
+                assert tier.stats.writes_dropped == 1 and tier.stats.errors == 1
+                assert not tier.contains_now(key(7))
+        assert "is full" in caplog.text
+        assert sorted(os.listdir(tmp_path)) == sorted(key(h).to_string() + ".kv" for h in range(3))
+        # Any other refusal is still a disk_path that cannot be used.
+        with monkeypatch.context() as m:
+            m.setattr(os, "open", _no_new_files(errno.EACCES))
+            with pytest.raises(ValueError, match=r"^disk_path: .* is not writable"):
+                async with opened(tmp_path):
+                    pass
+
+
 # -- capacity and eviction (D02) -------------------------------------------------------------
 async def test_d02_eviction_is_lru_unpinned_and_works_again_after_unpin(
     tmp_path: Path, arena: Arena

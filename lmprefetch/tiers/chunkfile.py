@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import struct
@@ -77,6 +78,11 @@ O_DIRECT_FLAG: int = getattr(os, "O_DIRECT", 0)
 
 FILE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".kv.tmp"
+
+#: A probe file that fails with one of these found a full file system, not an unwritable one.
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+log = logging.getLogger("lmprefetch.disk")
 
 
 # -- what a chunk read can find (raised in the reading thread) -------------------------------
@@ -156,6 +162,12 @@ def check_writable_dir(path: str) -> None:
     try:
         fd, probe = tempfile.mkstemp(dir=path, suffix=TEMP_SUFFIX)
     except OSError as exc:
+        if exc.errno in _FULL:
+            # Writable, but full now (no free block or inode, or over quota).  A full disk is
+            # a state, not a wrong setting: the tier serves the chunks it holds and drops (and
+            # counts) writes until there is room, so a worker restarted on it must start.
+            log.warning("disk_path %r is full (%s); starting anyway", path, exc.strerror)
+            return
         raise ValueError(f"disk_path: {path!r} is not writable ({exc.strerror})") from None
     os.close(fd)
     unlink_quiet(probe)
