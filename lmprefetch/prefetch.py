@@ -51,6 +51,10 @@ log = logging.getLogger("lmprefetch.engine")
 
 AnswerCallback = Callable[[int], None]
 
+#: The expiry heap is compacted when it holds twice this many entries (or twice the number of
+#: results it held after the last compaction, if more).
+_EXPIRIES_COMPACT_MIN = 1024
+
 
 class LookupState(enum.Enum):
     LOADING = "loading"  # probing and loading; no answer yet
@@ -250,6 +254,7 @@ class Engine:
         self._expiries: list[tuple[float, int, _Lookup]] = []
         self._expiry_scope = trio.CancelScope()
         self._expiry_tie = 0
+        self._expiries_compact_at = _EXPIRIES_COMPACT_MIN
         self._expiry_task_scope = trio.CancelScope()
         nursery.start_soon(self._expire_held, name="lmprefetch-expiry")
         self._closed = False
@@ -394,8 +399,16 @@ class Engine:
         rec.hold()
         self._lookups[lookup_id] = rec
         expires = started + self.config.claim_ttl_s
-        heapq.heappush(self._expiries, (expires, self._expiry_tie, rec))
+        heap = self._expiries
+        heapq.heappush(heap, (expires, self._expiry_tie, rec))
         self._expiry_tie += 1
+        if len(heap) >= 2 * self._expiries_compact_at:
+            # Claimed and cancelled results stay in the heap until their time comes (lazy
+            # deletion); drop them now and then, so the heap tracks the results really held
+            # rather than the lookup rate times claim_ttl_s.  Amortised O(1) per push.
+            heap[:] = [entry for entry in heap if entry[2].state is LookupState.HELD]
+            heapq.heapify(heap)
+            self._expiries_compact_at = max(_EXPIRIES_COMPACT_MIN, len(heap))
         if expires < self._expiry_scope.deadline:
             self._expiry_scope.deadline = expires
         tokens = cum[skip_chunks + whole // kpc]

@@ -839,3 +839,32 @@ async def test_ranks_sharing_a_disk_path_never_index_or_evict_each_others_files(
         assert engine.tiers[1].stale_temp_files_removed == 1  # its own temp file, at start
         await engine.wait_quiet()
         assert_conserved(engine)
+
+
+async def test_claimed_and_cancelled_cpu_hits_do_not_pile_up_in_the_expiry_heap(
+    small_config: PrefetchConfig,
+) -> None:
+    """Full CPU hits are answered without a task and expire through one heap; results that
+    were claimed or cancelled leave it (lazily, amortised), so it follows what is held, not
+    the lookup rate times claim_ttl_s."""
+    async with engine_with(small_config) as engine:
+        toks = tokens(2)
+        await engine.store(toks, payloads(2))
+        hashes = engine.hasher.hash(toks)
+        kept = []
+        for i in range(10_000):
+            assert await engine.lookup_and_prefetch(f"r{i}", hashes, offsets(2)) == 8
+            if i % 1000 == 0:
+                kept.append(f"r{i}")  # still held
+            elif i % 2:
+                with engine.claim(f"r{i}") as chunks:
+                    assert len(chunks) == 2
+            else:
+                engine.cancel(f"r{i}")
+        assert len(engine._expiries) < 2 * 1024 + len(kept)
+        assert engine.stats()["held_lookups"] == len(kept)
+        for lookup_id in kept:
+            with engine.claim(lookup_id) as chunks:
+                assert len(chunks) == 2
+        await engine.wait_quiet()
+        assert_conserved(engine)
