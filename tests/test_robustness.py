@@ -164,15 +164,25 @@ def test_caller_cancelled_just_before_its_answer_lands_leaves_nothing_held() -> 
 # -- 2. no frame can stop a receive loop ------------------------------------------------------
 @pytest.mark.parametrize("depth", [1_000, 10_000, 100_000])
 def test_deeply_nested_frames_are_decode_errors(depth: int) -> None:
+    """Nesting deep enough to exhaust the decoder's recursion limit is a DecodeError, never a
+    RecursionError.  (Where that limit lies depends on the Python version: on 3.13 an array
+    1,000 deep inside an ignored field still decodes, and then the message must be intact.)"""
     request = LookupRequestMsg("x", [1], [CHUNK])
     response = LookupResponseMsg("x", 4)
-    frames = [
-        (decode_worker_message, with_extra_field(request, "junk", nested(depth))),
-        (decode_worker_message, nested(depth)),
-        (decode_response, with_extra_field(response, "junk", nested(depth))),
-        (decode_response, b"\x81\xa4type" + nested(depth)),
+    in_ignored_field = [
+        (decode_worker_message, with_extra_field(request, "junk", nested(depth)), request),
+        (decode_response, with_extra_field(response, "junk", nested(depth)), response),
     ]
-    for decode, frame in frames:
+    for decode, frame, intact in in_ignored_field:
+        try:
+            got = decode(frame)
+        except msgspec.DecodeError:
+            continue
+        assert got == intact
+    for decode, frame in [
+        (decode_worker_message, nested(depth)),
+        (decode_response, b"\x81\xa4type" + nested(depth)),
+    ]:
         with pytest.raises(msgspec.DecodeError):
             decode(frame)
 
@@ -180,7 +190,8 @@ def test_deeply_nested_frames_are_decode_errors(depth: int) -> None:
 async def test_a_deeply_nested_frame_does_not_stop_the_server(config: PrefetchConfig) -> None:
     with trio.fail_after(LIMIT_S):
         async with served(config) as (_engine, server, peer):
-            for depth in (1_000, 100_000):
+            # Deep enough to exhaust the decoder's recursion limit on every Python version.
+            for depth in (10_000, 100_000):
                 peer.send(with_extra_field(LookupRequestMsg("x", [1], [CHUNK]), "j", nested(depth)))
             peer.request("alive", [7], seq=3)
             got = await peer.answer()
@@ -232,7 +243,7 @@ def test_a_deeply_nested_answer_does_not_stop_the_client_bridge(config: Prefetch
             assert c.lookup("a", tokens(2)) is None
             assert pull.poll(int(LIMIT_S * 1000))
             seq = decode_worker_message(pull.recv()).seq
-            for depth in (1_000, 100_000):
+            for depth in (10_000, 100_000):  # beyond the decoder's limit on every Python
                 push.send(with_extra_field(LookupResponseMsg("a", 8, seq=seq), "j", nested(depth)))
             push.send(encode(LookupResponseMsg("a", 8, seq=seq, worker_id=0)))
             assert c.wait("a", LIMIT_S) == 8
