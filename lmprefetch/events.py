@@ -304,9 +304,7 @@ class KVEventTracker:
         if hashes is not None:
             medium, locality = tier_medium(tier)
             self.counters["events_removed"] += 1
-            self._emit(
-                BlockRemoved(list(hashes), medium, locality=locality, ownership=OWNERSHIP)
-            )
+            self._emit(BlockRemoved(list(hashes), medium, locality=locality, ownership=OWNERSHIP))
         refs = self._refs[h] - 1
         if refs:
             self._refs[h] = refs
