@@ -374,7 +374,12 @@ class _SchedulerSide:
     def take_events(self) -> list[KVEvent]:
         """Events every rank agrees on since the last call (see
         :class:`~lmprefetch.events.RankEventMerger`)."""
-        return [] if self._events is None else self._events.take()
+        if self._events is None:
+            return []
+        events = self._events.take()
+        if events:
+            self.counters.add("kv_events", len(events))
+        return events
 
     def stats(self) -> LMPrefetchConnectorStats | None:
         return self.counters.take()
