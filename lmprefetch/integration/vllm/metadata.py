@@ -107,9 +107,10 @@ class LMPrefetchConnectorStats(KVConnectorStats):  # type: ignore[misc]
 
     Scheduler side: ``lookups`` (started), ``lookup_hits`` (requests that loaded tokens),
     ``hit_tokens`` (tokens loaded instead of computed), ``lookup_restarts``,
-    ``save_chunks_planned``.  Worker side (summed over ranks): ``loaded_chunks``,
-    ``loaded_bytes``, ``load_failures`` (requests whose claim came back short),
-    ``failed_blocks``, ``saved_chunks``, ``saved_bytes``, ``save_errors``.
+    ``save_chunks_planned``, ``kv_events`` (KV events handed to vLLM's publisher).  Worker
+    side (summed over ranks): ``loaded_chunks``, ``loaded_bytes``, ``load_failures`` (requests
+    whose claim came back short), ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
+    ``save_errors``.
     """
 
     def reset(self) -> None:
