@@ -201,7 +201,7 @@ class ChunkBlocks(msgspec.Struct, frozen=True, gc=False):
             tuple(block_hashes),
             block_size,
             parent_block_hash,
-            array("q", token_ids).tobytes(),
+            array("q", map(int, token_ids)).tobytes(),
             lora_id,
             lora_name,
         )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -482,13 +481,6 @@ class Subscriber:
         self.ctx.term()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def subscriber() -> Iterator[Any]:
     made: list[Subscriber] = []
@@ -510,7 +502,7 @@ def test_worker_publishes_stores_evictions_and_its_disk_after_a_restart(
     worker says AllBlocksCleared and then what its disk holds."""
     file_bytes = 4096 + CHUNK_BYTES
     cfg = config(tmp_path, cpu_bytes=CHUNK_BYTES * 4, disk_bytes=4 * file_bytes)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"ipc://@lmp-events-{uuid.uuid4().hex[:12]}"  # the same name after the restart
     sub = subscriber(endpoint, b"kv")
     ledger = Ledger()
     with WorkerRuntime.start(cfg, events_endpoint=endpoint, events_topic="kv") as runtime:
@@ -541,14 +533,13 @@ def test_worker_publishes_stores_evictions_and_its_disk_after_a_restart(
 def test_nothing_is_published_before_a_subscriber(tmp_path: Path, subscriber: Any) -> None:
     """Events wait for the first subscriber (a PUB socket would drop them): one that comes
     late still gets the stream from its first batch, AllBlocksCleared."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with WorkerRuntime.start(config(), events_endpoint=endpoint) as runtime:
+    with WorkerRuntime.start(config(), events_endpoint="tcp://127.0.0.1:0") as runtime:
         assert runtime.store(tokens(2 * CHUNK, 1), payloads(2, 1)) == 2
         publisher = runtime.publisher
         assert publisher is not None
         assert runtime.stats()["batches_sent"] == 0
         assert not publisher.subscribed.is_set()
-        sub = subscriber(endpoint)
+        sub = subscriber(publisher.endpoint)  # the port the OS picked
         batch = sub.batch()
         assert isinstance(batch.events[0], AllBlocksCleared)
         ledger = Ledger()
@@ -575,15 +566,13 @@ def test_worker_command_announces_its_disk_on_the_events_endpoint(
         f"chunk_size = {CHUNK}\nchunk_bytes = {CHUNK_BYTES}\ncpu_bytes = {CHUNK_BYTES * 8}\n"
         f'disk_path = "{cfg.disk_path}"\n'
     )
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     tag = uuid.uuid4().hex[:10]
-    sub = subscriber(endpoint)
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "lmprefetch", "worker", "--config", str(toml),
             "--request-endpoint", f"ipc://@lmp-evw-{tag}",
             "--response-endpoint", f"ipc://@lmp-evs-{tag}",
-            "--events-endpoint", endpoint,
+            "--events-endpoint", "tcp://127.0.0.1:0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -591,6 +580,11 @@ def test_worker_command_announces_its_disk_on_the_events_endpoint(
         cwd=ROOT,
     )  # fmt: skip
     try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()  # printed once serving: it names the bound port
+        assert "KV events on tcp://127.0.0.1:" in banner, banner
+        endpoint = banner.rsplit(" ", 1)[-1].strip()
+        sub = subscriber(endpoint)
         ledger = Ledger()
         batch = sub.batch()
         assert isinstance(batch.events[0], AllBlocksCleared)
@@ -599,6 +593,5 @@ def test_worker_command_announces_its_disk_on_the_events_endpoint(
         assert len(stored) == 4
     finally:
         os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=DEADLINE_S)
+        _, err = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 0, err
-    assert f"KV events on {endpoint}" in out

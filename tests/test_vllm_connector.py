@@ -907,6 +907,38 @@ def test_restarted_worker_names_its_disk_chunks_when_a_request_loads_them(
     assert {tuple(e.block_hashes) for e in disk} == names
 
 
+def test_lmprefetch_event_batches_are_vllm_event_batches() -> None:
+    """A standalone worker's payload decodes with vLLM's own decoder, field for field, and
+    vLLM's decodes with lmprefetch's."""
+    import msgspec
+
+    from lmprefetch import events as ours
+
+    batch = ours.KVEventBatch(
+        ts=12.5,
+        events=[
+            ours.AllBlocksCleared(),
+            ours.BlockStored(
+                [1, b"\x02" * 32], 7, [5, 6], 2, 3, "CPU", "ad", locality="LOCAL",
+                ownership="lmprefetch",
+            ),
+            ours.BlockRemoved([1, b"\x02" * 32], "STORAGE", locality="REMOTE",
+                              ownership="lmprefetch"),
+        ],
+    )  # fmt: skip
+    theirs = msgspec.msgpack.Decoder(KVEventBatch).decode(ours.encode_batch(batch))
+    assert theirs.ts == 12.5 and len(theirs.events) == 3
+    for mine, vllms in zip(batch.events, theirs.events):
+        assert type(mine).__name__ == type(vllms).__name__
+        assert msgspec.structs.asdict(mine) == {
+            k: v for k, v in msgspec.structs.asdict(vllms).items() if k in mine.__struct_fields__
+        }
+    assert ours.decode_batch(msgspec.msgpack.encode(theirs)) == batch
+    # The mirror is complete: every field of vLLM's events is in lmprefetch's schema.
+    assert set(ours.BlockStored.__struct_fields__) == set(BlockStored.__struct_fields__)
+    assert set(ours.BlockRemoved.__struct_fields__) == set(BlockRemoved.__struct_fields__)
+
+
 def test_kv_events_can_be_turned_off(make_harness: Any) -> None:
     h = make_harness(kv_events=True, extra={"kv_events": False})
     h.add("a", tokens_of(27, 64))
