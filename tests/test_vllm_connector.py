@@ -544,16 +544,23 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
     h.wait_worker_quiet()
     for t in h.caches.values():
         t.zero_()
-    out = h.step()  # vLLM now has 0 < 128 skipped: a gap; look up again from chunk 0
-    assert "again" not in out.num_scheduled_tokens
-    assert h.wait_answer("again") == 128
+    loads: list[Any] = []
 
     def check(out: Any) -> None:
-        [load] = out.kv_connector_metadata.loads
-        assert (load.first_chunk, load.start_token, load.end_token) == (0, 0, 128)
-        h.assert_loaded("again", prompt, 0, 128)
+        for load in out.kv_connector_metadata.loads:
+            assert (load.first_chunk, load.start_token, load.end_token) == (0, 0, 128)
+            h.assert_loaded("again", prompt, 0, 128)
+            loads.append(load)
 
-    h.step(before_forward=check)
+    # vLLM now has 0 < 128 skipped: a gap; look up again from chunk 0.  The new lookup is a
+    # full CPU hit, which the worker answers on arrival: the answer may be in before the
+    # scheduler polls again (then it loads in this step) or not (then in the next one).
+    out = h.step(before_forward=check)
+    if not loads:
+        assert "again" not in out.num_scheduled_tokens
+        assert h.wait_answer("again") == 128
+        h.step(before_forward=check)
+    assert len(loads) == 1
     assert req.num_computed_tokens == 130
     assert h.stats.data["lookup_restarts"] == 1
     assert_worker_idle(h.wait_worker_quiet())
