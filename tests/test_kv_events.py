@@ -447,6 +447,14 @@ async def test_redis_stores_and_removals_seen_by_this_engine(redis_server: Redis
                 ledger.feed(engine.take_kv_events())
             assert ledger.on(MEDIUM_STORAGE, REMOTE) == {h[2]}
             assert ledger.removed == 3 + 2  # two from Redis, three from the CPU discards
+            # A corrupt value, found by a load (and deleted by the tier):
+            name = b"lmprefetch:" + engine.keys.first_key(h[2]).to_string().encode()
+            with raw_client(redis_server.url) as client:
+                client.set(name, b"not a chunk")
+            assert await engine.lookup_and_prefetch("bad", h[2:], [CHUNK]) == 0
+            ledger.feed(engine.take_kv_events())
+            assert ledger.on(MEDIUM_STORAGE, REMOTE) == set()
+            assert ledger.removed == 3 + 3
 
 
 # -- a worker's published stream --------------------------------------------------------------
