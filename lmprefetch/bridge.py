@@ -65,7 +65,7 @@ _IDLE_CHECK_MS: Final = 500
 # Commands for the bridge thread.  Plain tuples: they are built on the scheduler's thread,
 # where every nanosecond counts.
 #   (REQUEST, lookup_id, seq, token_ids, n_tokens, skip_tokens, request_configs,
-#    hashes, offsets, deadline_ms)
+#    hashes, offsets, deadline_ms, salt)
 #   (CLEANUP, lookup_id, seq)
 #   (STOP,)
 REQUEST: Final = 0
@@ -335,12 +335,12 @@ class Bridge:
     def send_request(self, cmd: tuple[Any, ...]) -> None:
         """Hash (if needed), encode and push one request to every worker."""
         (_, lookup_id, seq, token_ids, n_tokens, skip_tokens, configs, hashes, offsets,
-         deadline_ms) = cmd  # fmt: skip
+         deadline_ms, salt) = cmd  # fmt: skip
         try:
             if hashes is None:
                 if len(token_ids) != n_tokens:
                     token_ids = token_ids[:n_tokens]
-                hashes = self._hasher.hash(token_ids)
+                hashes = self._hasher.hash(token_ids, salt)
                 offsets = self._hasher.offsets(n_tokens)
             msg = LookupRequestMsg(
                 lookup_id,

@@ -30,6 +30,7 @@ def _worker(args: argparse.Namespace) -> int:
     """Run one worker rank until SIGTERM/SIGINT (exit 0) or until it fails (exit 1)."""
     import zmq
 
+    from .publisher import EventsEndpointError
     from .runtime import WorkerRuntime
     from .transport import check_endpoint
 
@@ -50,7 +51,16 @@ def _worker(args: argparse.Namespace) -> int:
             check_endpoint(url)
         except ValueError as exc:
             raise ValueError(f"{option}: {exc}") from None
+    if args.events_endpoint is not None:
+        try:
+            check_endpoint(args.events_endpoint)
+        except ValueError as exc:
+            raise ValueError(f"--events-endpoint: {exc}") from None
     config = PrefetchConfig.from_file(args.config) if args.config else PrefetchConfig.from_env()
+    if args.events_endpoint is not None and not config.kv_events:
+        raise ValueError(
+            "--events-endpoint: KV events are off in the configuration (kv_events = false)"
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -71,7 +81,11 @@ def _worker(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             on_failure=on_failure,
+            events_endpoint=args.events_endpoint,
+            events_topic=args.events_topic,
         )
+    except EventsEndpointError as exc:
+        raise ValueError(f"--events-endpoint: {exc}") from None
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE:
             raise ValueError(
@@ -93,6 +107,8 @@ def _worker(args: argparse.Namespace) -> int:
         )
         if runtime.metrics_port is not None:
             msg += f", metrics on {args.metrics_host}:{runtime.metrics_port}"
+        if runtime.publisher is not None:
+            msg += f", KV events on {runtime.publisher.endpoint}"
         print(msg, flush=True)
         stop.wait()
     finally:
@@ -147,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-host",
         default="127.0.0.1",
         help="address the metrics server binds (default: 127.0.0.1; 0.0.0.0 for all)",
+    )
+    w.add_argument(
+        "--events-endpoint",
+        help="publish KV events (vLLM's BlockStored/BlockRemoved format) on this bound ZeroMQ "
+        "PUB endpoint, e.g. tcp://127.0.0.1:5557",
+    )
+    w.add_argument(
+        "--events-topic", default="", help="topic frame of each KV-event message (default: '')"
     )
     w.set_defaults(func=_worker)
 

@@ -115,6 +115,7 @@ class LookupClient:
         request_configs: dict[str, str] | None = None,
         hashes: list[int] | None = None,
         offsets: list[int] | None = None,
+        salt: bytes | None = None,
     ) -> int | None:
         """How many leading tokens of this prompt the workers have ready; never blocks.
 
@@ -140,6 +141,9 @@ class LookupClient:
             request_configs: passed through to the workers (LMCache's per-request settings).
             hashes: pre-computed chunk hashes (skips hashing); give ``offsets`` with them.
             offsets: tokens per chunk, one per hash.
+            salt: the tenant's name space (:func:`~lmprefetch.hashing.tenant_salt`): the
+                prompt is hashed under it, so only chunks stored under the same salt can hit.
+                Ignored when ``hashes`` is given (salt those yourself).
 
         Raises:
             LookupClientError: the bridge thread died (see its ``__cause__``).
@@ -157,7 +161,9 @@ class LookupClient:
             if _monotonic() < e.deadline:
                 return None
             return self._expire(lookup_id, e)
-        return self._submit(lookup_id, token_ids, skip_tokens, request_configs, hashes, offsets)
+        return self._submit(
+            lookup_id, token_ids, skip_tokens, request_configs, hashes, offsets, salt
+        )
 
     def cancel(self, lookup_id: str) -> None:
         """Abort a lookup: drop it here and send a cleanup to every worker now.
@@ -301,6 +307,7 @@ class LookupClient:
         request_configs: dict[str, str] | None,
         hashes: list[int] | None,
         offsets: list[int] | None,
+        salt: bytes | None = None,
     ) -> int | None:
         if skip_tokens < 0:
             raise ValueError(f"skip_tokens: must be >= 0, got {skip_tokens}")
@@ -338,6 +345,7 @@ class LookupClient:
                 hashes,
                 offsets,
                 deadline_ms,
+                salt,
             )
             if hashes is None:
                 self._table.post(cmd)

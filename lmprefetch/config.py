@@ -142,6 +142,14 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: prompt of over 300 million tokens at the default chunk size.
     max_message_bytes: int = 16 * MiB
 
+    # -- KV events ----------------------------------------------------------------------
+    #: Emit KV events (``BlockStored`` / ``BlockRemoved``) for what the tiers hold, where a
+    #: consumer asks for them (vLLM's ``--kv-events-config``, ``lmprefetch worker
+    #: --events-endpoint``); ``False`` turns them off everywhere.
+    kv_events: bool = True
+    #: Events waiting for their consumer; past this, new events are dropped (and counted).
+    kv_events_max_pending: int = 100_000
+
     def __post_init__(self) -> None:
         _validate(self)
 
@@ -294,6 +302,7 @@ _INT_MAX = {
     "redis_threads": 1024,
     "socket_hwm": (1 << 31) - 1,  # a C int in libzmq
     "max_message_bytes": 1 << 30,
+    "kv_events_max_pending": 1 << 24,
 }
 #: The longest duration any ``*_s`` field may have (a year): past it a typo is more likely
 #: than intent, and deadlines stay well inside every clock's range.
@@ -313,6 +322,7 @@ def _validate(c: PrefetchConfig) -> None:
         "redis_threads",
         "socket_hwm",
         "max_message_bytes",
+        "kv_events_max_pending",
     )
     for name in ints:
         _check_type(name, getattr(c, name), (int,))
@@ -334,7 +344,7 @@ def _validate(c: PrefetchConfig) -> None:
                 f"{name}: must be a positive number of seconds, at most {_SECONDS_MAX:.0f}, "
                 f"got {value!r}"
             )
-    for name in ("save_partial_chunks", "layerwise", "disk_o_direct"):
+    for name in ("save_partial_chunks", "layerwise", "disk_o_direct", "kv_events"):
         _check_type(name, getattr(c, name), (bool,))
     for name in ("hash_algorithm", "model_name", "kv_dtype", "buffer_backend"):
         _check_type(name, getattr(c, name), (str,))
@@ -381,6 +391,7 @@ def _validate(c: PrefetchConfig) -> None:
         "redis_write_queue",
         "redis_threads",
         "socket_hwm",
+        "kv_events_max_pending",
     ):
         if getattr(c, name) < 1:
             raise ValueError(f"{name}: must be at least 1, got {getattr(c, name)}")

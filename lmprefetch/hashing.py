@@ -9,6 +9,14 @@ depends on ``PYTHONHASHSEED``: the scheduler and every worker process compute th
 With ``save_partial_chunks=False`` (the default, LMCache's ``save_unfull_chunk=False``) a trailing
 chunk shorter than ``chunk_size`` is dropped: never stored, never looked up.
 
+Tenants (salts).  A prompt may be hashed under a *salt*: bytes naming the name space its KV
+belongs to (vLLM's ``cache_salt``, a LoRA adapter; :func:`tenant_salt` builds it).  The salt
+replaces the all-zero "previous hash" of chunk 0 by a digest of the salt, so chunk 0's hash
+differs from the unsalted one and, through the chain, so does every later chunk's: a salted
+prompt shares no key with the unsalted prompt or with the same prompt under another salt.
+Without a salt (``None``) the hashes are exactly those of earlier releases.  The salt itself
+never leaves the process that hashes: workers only ever see the salted hashes.
+
 Pure functions of their arguments: nothing here does I/O or awaits.
 """
 
@@ -22,10 +30,11 @@ from typing import Any
 
 from .config import HASH_ALGORITHMS
 
-__all__ = ["ChunkHasher"]
+__all__ = ["ChunkHasher", "tenant_salt"]
 
 _PERSON = b"lmprefetch.v1"  # blake2b personalisation: our hashes never equal another scheme's
-_ROOT = b"\x00" * 8  # the "previous hash" of chunk 0
+_ROOT = b"\x00" * 8  # the "previous hash" of chunk 0 (unsalted)
+_SALT_PERSON = b"lmprefetch.salt"  # a salt's digest never equals a chunk hash of the same bytes
 
 
 class ChunkHasher:
@@ -55,18 +64,36 @@ class ChunkHasher:
         full, rest = divmod(num_tokens, self.chunk_size)
         return full + (1 if rest and self.save_partial_chunks else 0)
 
-    def hash(self, token_ids: Sequence[int] | Any) -> list[int]:
+    def root(self, salt: bytes | None = None) -> bytes:
+        """The 8-byte "previous hash" chunk 0 is chained to: all zeros without a salt, else a
+        digest of the salt (blake2b with its own personalisation, or the first 8 bytes of
+        sha256 over ``b"lmprefetch.salt" + salt``, following ``algorithm``).
+
+        Raises:
+            ValueError: ``salt`` is not bytes (or is empty: use ``None`` for no salt).
+        """
+        if salt is None:
+            return _ROOT
+        if not isinstance(salt, (bytes, bytearray, memoryview)) or not len(salt):
+            raise ValueError(f"salt: must be non-empty bytes or None, got {salt!r}")
+        if self.algorithm == "blake2b":
+            return hashlib.blake2b(bytes(salt), digest_size=8, person=_SALT_PERSON).digest()
+        return hashlib.sha256(_SALT_PERSON + bytes(salt)).digest()[:8]
+
+    def hash(self, token_ids: Sequence[int] | Any, salt: bytes | None = None) -> list[int]:
         """One prefix-chained 64-bit hash per chunk.
 
         ``token_ids`` may be a list of ints, an ``array``, a numpy array or a torch tensor
-        (anything that converts to a flat sequence of integers).
+        (anything that converts to a flat sequence of integers).  ``salt`` (see
+        :func:`tenant_salt`) puts the prompt in its own name space: every hash differs from
+        the unsalted ones and from those under any other salt.
         """
+        prev = self.root(salt)
         data = _token_bytes(token_ids)
         n_tokens = len(data) // 8
         n_chunks = self.num_chunks(n_tokens)
         step = self.chunk_size * 8
         out: list[int] = []
-        prev = _ROOT
         mv = memoryview(data)
         if self.algorithm == "blake2b":
             blake2b = hashlib.blake2b
@@ -84,9 +111,11 @@ class ChunkHasher:
                 out.append(int.from_bytes(prev, "big"))
         return out
 
-    def spans(self, token_ids: Sequence[int] | Any) -> list[tuple[int, int, int]]:
+    def spans(
+        self, token_ids: Sequence[int] | Any, salt: bytes | None = None
+    ) -> list[tuple[int, int, int]]:
         """``(start, end, hash)`` per chunk; ``end - start`` is the chunk's token count."""
-        hashes = self.hash(token_ids)
+        hashes = self.hash(token_ids, salt)
         n_tokens = _length(token_ids)
         cs = self.chunk_size
         return [(i * cs, min((i + 1) * cs, n_tokens), h) for i, h in enumerate(hashes)]
@@ -98,6 +127,37 @@ class ChunkHasher:
         if rest and self.save_partial_chunks:
             out.append(rest)
         return out
+
+
+def tenant_salt(
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    lora_identity: str | None = None,
+) -> bytes | None:
+    """The salt of one tenant's name space, or ``None`` when nothing sets one.
+
+    The parts are encoded unambiguously, each as a one-byte tag, its UTF-8 length (4 bytes,
+    big-endian) and its UTF-8 bytes, in this order: ``b"s"`` + ``cache_salt``, ``b"l"`` +
+    ``lora_name``, ``b"i"`` + ``lora_identity``; a part that is ``None`` or empty is left
+    out.  So two requests share a name space exactly when they have the same cache salt, the
+    same adapter name and the same adapter identity, and no choice of strings can make one
+    tenant's salt equal another's.
+
+    Args:
+        cache_salt: vLLM's per-request ``cache_salt`` (a tenant's secret).
+        lora_name: the LoRA adapter's name.
+        lora_identity: what tells two adapters of the same name apart (the vLLM connector uses
+            a digest of the adapter's files, or its path; see ``docs/tenancy-and-events.md``).
+    """
+    out = bytearray()
+    for tag, part in ((b"s", cache_salt), (b"l", lora_name), (b"i", lora_identity)):
+        if part is None or part == "":
+            continue
+        if not isinstance(part, str):
+            raise ValueError(f"tenant_salt: parts must be str or None, got {part!r}")
+        data = part.encode("utf-8")
+        out += tag + len(data).to_bytes(4, "big") + data
+    return bytes(out) if out else None
 
 
 def _length(token_ids: Any) -> int:

@@ -38,6 +38,7 @@ import trio
 
 from ._sync import AsyncValue
 from .config import PrefetchConfig
+from .events import ChunkBlocks, EventMode, KVEvent, KVEventTracker
 from .hashing import ChunkHasher
 from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
@@ -217,8 +218,11 @@ class Engine:
         arena: Arena,
         cpu: CpuTier,
         tiers: Sequence[Tier],
+        kv_events: KVEventTracker | None = None,
     ) -> None:
         self.config = config
+        #: The KV-event tracker (``None`` when events are off; see :mod:`lmprefetch.events`).
+        self.kv_events = kv_events
         self.rank = rank
         self.world_size = world_size
         self.hasher = ChunkHasher(
@@ -741,26 +745,63 @@ class Engine:
         return result[0]
 
     # -- store ------------------------------------------------------------------------
-    async def store(self, token_ids: Sequence[int] | Any, payloads: Sequence[Any]) -> int:
+    async def store(
+        self,
+        token_ids: Sequence[int] | Any,
+        payloads: Sequence[Any],
+        *,
+        salt: bytes | None = None,
+    ) -> int:
         """Store chunk payloads for a prompt: ``payloads[i]`` is chunk ``i``'s bytes.
 
         The CPU tier takes them now; disk and remote tiers get them write-behind.  Returns the
         number of leading chunks stored; when the CPU tier cannot take more (everything
-        pinned) it stores what fits.
+        pinned) it stores what fits.  ``salt`` stores them in a tenant's name space (see
+        :func:`~lmprefetch.hashing.tenant_salt`): only lookups hashed with the same salt find
+        them.
 
         Raises:
             ValueError: more payloads than chunks, or a payload longer than ``chunk_bytes``
                 (or, in layerwise mode, not divisible by ``num_layers``); nothing is stored.
         """
-        return await self.store_hashes(self.hasher.hash(token_ids), payloads)
+        hashes = self.hasher.hash(token_ids, salt)
+        blocks: list[ChunkBlocks] | None = None
+        if self.kv_events is not None and self.kv_events.mode == "chunks":
+            # Events name these chunks by their hashes, with their tokens and parents.
+            tokens = list(token_ids)
+            cs = self.config.chunk_size
+            blocks = [
+                ChunkBlocks.make(
+                    (h,),
+                    len(tokens[i * cs : (i + 1) * cs]),
+                    parent_block_hash=hashes[i - 1] if i else None,
+                    token_ids=tokens[i * cs : (i + 1) * cs],
+                )
+                for i, h in enumerate(hashes[: len(payloads)])
+            ]
+        return await self.store_hashes(hashes, payloads, blocks=blocks)
 
-    async def store_hashes(self, hashes: Sequence[int], payloads: Sequence[Any]) -> int:
-        """:meth:`store` with precomputed chunk hashes."""
+    async def store_hashes(
+        self,
+        hashes: Sequence[int],
+        payloads: Sequence[Any],
+        *,
+        blocks: Sequence[ChunkBlocks] | None = None,
+    ) -> int:
+        """:meth:`store` with precomputed chunk hashes.
+
+        ``blocks[i]`` names chunk ``i`` in KV events (the vLLM connector gives vLLM's block
+        hashes); without it, events name a chunk by its hash (in ``"chunks"`` mode only).
+        """
         if len(payloads) > len(hashes):
             raise ValueError(
                 f"payloads: {len(payloads)} payloads for a prompt of {len(hashes)} chunks"
             )
+        if blocks is not None and len(blocks) < len(payloads):
+            raise ValueError(f"blocks: {len(blocks)} for {len(payloads)} payloads")
         views = [_as_bytes_view(p, i) for i, p in enumerate(payloads)]
+        if self.kv_events is not None:
+            self.describe_chunks(hashes[: len(views)], blocks)
         kpc = self._kpc
         for i, view in enumerate(views):
             if view.nbytes > self.config.chunk_bytes:
@@ -801,6 +842,31 @@ class Engine:
                 self.counters["chunks_stored"] += 1
         return stored
 
+    def describe_chunks(
+        self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks] | None
+    ) -> None:
+        """Name chunks for KV events (see :meth:`~lmprefetch.events.KVEventTracker.describe`):
+        ``blocks[i]`` names ``hashes[i]``; with ``blocks`` ``None``, in ``"chunks"`` mode, each
+        chunk is named by its hash, its parent being the hash before it.  A chunk some tier
+        holds unannounced (a disk tier's chunk from before a restart) is announced now.  A
+        no-op when events are off."""
+        tracker = self.kv_events
+        if tracker is None:
+            return
+        if blocks is not None:
+            for h, b in zip(hashes, blocks):
+                tracker.describe(h, b)
+        elif tracker.mode == "chunks":
+            cs = self.config.chunk_size
+            for i, h in enumerate(hashes):
+                parent = hashes[i - 1] if i else None
+                tracker.describe(h, ChunkBlocks((h,), cs, parent))
+
+    def take_kv_events(self, max_events: int | None = None) -> list[KVEvent]:
+        """The KV events queued so far (empty when events are off); any thread."""
+        tracker = self.kv_events
+        return [] if tracker is None else tracker.take(max_events)
+
     async def flush(self) -> None:
         """Wait until every write-behind queued so far is on its tier (disk, remote)."""
         for tier in self._write_behind:
@@ -828,6 +894,9 @@ class Engine:
             "tiers": {t.name: t.stats.as_dict() for t in self.tiers},
         }
         out.update(self.counters)
+        if self.kv_events is not None:
+            out.update(self.kv_events.counters)
+            out["events_pending"] = self.kv_events.pending
         return out
 
     async def wait_quiet(self) -> None:
@@ -894,6 +963,42 @@ def _check_machine_memory(cpu_bytes: int) -> None:
         )
 
 
+def _open_tracker(
+    config: PrefetchConfig, rank: int, world_size: int, mode: EventMode, tiers: Sequence[Tier]
+) -> KVEventTracker | None:
+    """The KV-event tracker, listening to every tier that reports its changes; ``None`` when
+    events are off.  What the disk tier holds already is registered (and announced in
+    ``"chunks"`` mode, after ``AllBlocksCleared``)."""
+    if mode == "off" or not config.kv_events:
+        return None
+    keys = KeyMaker(
+        config.model_name,
+        world_size,
+        rank,
+        config.kv_dtype,
+        layerwise=config.layerwise,
+        num_layers=config.num_layers,
+    )
+    tracker = KVEventTracker(
+        keys,
+        chunk_size=config.chunk_size,
+        mode=mode,
+        max_pending=config.kv_events_max_pending,
+        # A chunk on no tier may still be landed by a write-behind: keep the names of as many.
+        orphan_limit=config.disk_write_queue + config.redis_write_queue + 64,
+    )
+    if mode == "chunks":
+        tracker.clear_all()
+    for tier in tiers:
+        if hasattr(tier, "listener"):
+            tier.listener = tracker
+            existing = getattr(tier, "keys", None)
+            if callable(existing):  # the disk tier's index, rebuilt from its directory
+                for key in existing():  # least recently used first
+                    tracker.stored(tier.name, key)
+    return tracker
+
+
 @asynccontextmanager
 async def open_engine(
     config: PrefetchConfig,
@@ -901,12 +1006,18 @@ async def open_engine(
     rank: int = 0,
     world_size: int = 1,
     extra_tiers: Sequence[Tier] = (),
+    kv_events: EventMode = "off",
 ) -> AsyncIterator[Engine]:
     """Open one rank's engine: arena, tiers, and the nursery its lookups run in.
 
     ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis), in order; those
     that are a :class:`~lmprefetch.tiers.base.WriteBehindTier` (``enqueue_write`` and
     ``flush``) also get write-behind copies of stored chunks.  The engine does not close them.
+
+    ``kv_events`` turns on KV events (:mod:`lmprefetch.events`; ``config.kv_events = False``
+    keeps them off): ``"chunks"`` starts the stream with ``AllBlocksCleared`` and announces
+    what the disk tier holds, named by chunk hash; ``"described"`` (the vLLM connector) only
+    announces chunks named with :meth:`Engine.describe_chunks` or ``store_hashes(blocks=…)``.
 
     On exit every lookup is cancelled and releases what it owns, pending disk and remote writes
     are flushed, and the CPU tier is dropped.  A new engine on the same ``disk_path`` finds the
@@ -968,6 +1079,7 @@ async def open_engine(
                 )
                 tiers.append(remote)
             tiers.extend(extra_tiers)
+            tracker = _open_tracker(config, rank, world_size, kv_events, tiers)
             async with trio.open_nursery() as nursery:
                 engine = Engine(
                     config,
@@ -977,6 +1089,7 @@ async def open_engine(
                     arena=arena,
                     cpu=cpu,
                     tiers=tiers,
+                    kv_events=tracker,
                 )
                 try:
                     yield engine

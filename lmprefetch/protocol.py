@@ -21,6 +21,11 @@ message                    fields (LMCache's first, then lmprefetch's extensions
 ``LookupCleanupMsg``       ``lookup_id``; ext ``seq``
 =========================  ==================================================================
 
+Tenants: ``hashes`` are whatever the client computed, salted for a tenant when it has one (a
+``cache_salt``, a LoRA adapter; see :mod:`lmprefetch.hashing`).  The salt is chained into the
+hashes on the scheduler side, so a request needs no salt field, workers never see a tenant's
+salt, and the LMCache-compatible fields keep their meaning.
+
 Decoding errors are part of the API: :func:`decode_worker_message` and :func:`decode_response`
 raise :class:`msgspec.DecodeError` (its subclass :class:`msgspec.ValidationError` for
 well-formed msgpack of the wrong shape) and nothing else, whatever the bytes: msgspec itself
@@ -85,7 +90,8 @@ class LookupRequestMsg(LookupMsg):
 
     #: The engine's request id.
     lookup_id: str
-    #: One prefix-chained chunk hash per chunk (signed or unsigned 64-bit).
+    #: One prefix-chained chunk hash per chunk (signed or unsigned 64-bit), salted by the
+    #: client for a tenant's name space when the request has one.
     hashes: list[int]
     #: Tokens in each chunk (``end - start``; not cumulative), one per hash.
     offsets: list[int]

@@ -21,8 +21,9 @@ import concurrent.futures
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -30,9 +31,11 @@ from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import PrefetchConfig
+from .events import ChunkBlocks, EventMode, KVEvent
 from .keys import ChunkKey
 from .memory import Buffer
 from .prefetch import Engine, open_engine
+from .publisher import KVEventPublisher, publish_kv_events
 from .server import LookupServer, serve_lookups
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
@@ -72,6 +75,8 @@ class WorkerRuntime:
         self._stop: trio.Event | None = None
         self._engine: Engine | None = None
         self._server: LookupServer | None = None
+        #: The KV-event publisher, when started with ``events_endpoint``.
+        self.publisher: KVEventPublisher | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._closing = False
@@ -95,6 +100,9 @@ class WorkerRuntime:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         on_failure: Callable[[BaseException], None] | None = None,
+        kv_events: EventMode | None = None,
+        events_endpoint: str | None = None,
+        events_topic: str = "",
     ) -> WorkerRuntime:
         """Start the loop thread, open the engine, and serve lookups if endpoints are given.
 
@@ -109,14 +117,28 @@ class WorkerRuntime:
                 ``0.0.0.0`` for a Prometheus on another host).
             on_failure: called once, from the runtime's thread, if the engine or the lookup
                 server fails after start-up (the CLI worker exits non-zero on it).
+            kv_events: the engine's KV-event mode (:data:`~lmprefetch.events.EventMode`);
+                default ``"chunks"`` with ``events_endpoint``, else ``"off"``.  Events are
+                read with :meth:`take_kv_events` or published on ``events_endpoint``.
+            events_endpoint: publish KV events here (a bound ZeroMQ PUB socket; see
+                :mod:`lmprefetch.publisher`).
+            events_topic: the topic frame of every published message.
 
         Raises:
-            ValueError: bad arguments or configuration (the thread is stopped again).
+            ValueError: bad arguments or configuration (the thread is stopped again);
+                :class:`~lmprefetch.publisher.EventsEndpointError` for an events endpoint that
+                is malformed or in use.
             zmq.ZMQError: an endpoint cannot be bound or connected (e.g. already in use).
             OSError: the metrics port cannot be bound.
         """
         if (request_endpoint is None) != (response_endpoint is None):
             raise ValueError("request_endpoint and response_endpoint go together")
+        mode: EventMode = kv_events or ("chunks" if events_endpoint is not None else "off")
+        if events_endpoint is not None and (mode == "off" or not config.kv_events):
+            raise ValueError(
+                "kv_events: an events endpoint was given, but KV events are off "
+                "(kv_events = false in the configuration)"
+            )
         self = cls()
         self.config = config
         self._on_failure = on_failure
@@ -124,9 +146,12 @@ class WorkerRuntime:
         self._portal = self._portal_cm.__enter__()
         try:
             try:
-                self._task, (self._engine, self._server) = self._portal.start_task(
-                    self._main, config, rank, world_size, request_endpoint, response_endpoint,
-                    name="lmprefetch-worker",
+                self._task, (self._engine, self._server, self.publisher) = (
+                    self._portal.start_task(
+                        self._main, config, rank, world_size, request_endpoint,
+                        response_endpoint, mode, events_endpoint, events_topic,
+                        name="lmprefetch-worker",
+                    )
                 )  # fmt: skip
             except BaseExceptionGroup as group:
                 # Start-up errors come out of the engine's nursery wrapped in a group; the
@@ -151,21 +176,44 @@ class WorkerRuntime:
         world_size: int,
         request_endpoint: str | None,
         response_endpoint: str | None,
+        kv_events: EventMode,
+        events_endpoint: str | None,
+        events_topic: str,
         *,
-        task_status: TaskStatus[tuple[Engine, LookupServer | None]],
+        task_status: TaskStatus[tuple[Engine, LookupServer | None, KVEventPublisher | None]],
     ) -> None:
-        """The runtime's one task: the engine (and server) live until :meth:`close`."""
+        """The runtime's one task: the engine (and server, and publisher) live until
+        :meth:`close`."""
         self._stop = trio.Event()
-        async with open_engine(config, rank=rank, world_size=world_size) as engine:
+        async with (
+            open_engine(config, rank=rank, world_size=world_size, kv_events=kv_events) as engine,
+            self._publishing(engine, events_endpoint, events_topic) as publisher,
+        ):
             if request_endpoint is None or response_endpoint is None:
-                task_status.started((engine, None))
+                task_status.started((engine, None, publisher))
                 await self._stop.wait()
                 return
             async with serve_lookups(
                 engine, request_endpoint, response_endpoint, on_failure=self._failed
             ) as server:
-                task_status.started((engine, server))
+                task_status.started((engine, server, publisher))
                 await self._stop.wait()
+
+    @asynccontextmanager
+    async def _publishing(
+        self, engine: Engine, endpoint: str | None, topic: str
+    ) -> AsyncIterator[KVEventPublisher | None]:
+        if endpoint is None or engine.kv_events is None:
+            yield None
+            return
+        async with publish_kv_events(
+            engine.kv_events,
+            endpoint,
+            topic=topic,
+            hwm=engine.config.socket_hwm,
+            on_failure=self._failed,
+        ) as publisher:
+            yield publisher
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -204,34 +252,70 @@ class WorkerRuntime:
         return portal.call(func, *args)
 
     # -- the engine's API, synchronously ----------------------------------------------
-    def store(self, token_ids: Sequence[int] | Any, payloads: Sequence[Any]) -> int:
-        """Store chunk payloads (see :meth:`Engine.store`); returns chunks stored."""
+    def store(
+        self,
+        token_ids: Sequence[int] | Any,
+        payloads: Sequence[Any],
+        *,
+        salt: bytes | None = None,
+    ) -> int:
+        """Store chunk payloads (see :meth:`Engine.store`); returns chunks stored.  ``salt``
+        stores them in a tenant's name space (:func:`~lmprefetch.hashing.tenant_salt`)."""
         portal, engine = self._running()
-        return int(portal.call(engine.store, token_ids, payloads))
+        return int(portal.call(partial(engine.store, token_ids, payloads, salt=salt)))
 
-    def store_hashes(self, hashes: Sequence[int], payloads: Sequence[Any]) -> int:
+    def store_hashes(
+        self,
+        hashes: Sequence[int],
+        payloads: Sequence[Any],
+        *,
+        blocks: Sequence[ChunkBlocks] | None = None,
+    ) -> int:
         """:meth:`store` with precomputed chunk hashes (``payloads[i]`` for ``hashes[i]``):
-        for callers that store chunks from the middle of a prompt."""
+        for callers that store chunks from the middle of a prompt.  ``blocks[i]`` names chunk
+        ``i`` in KV events (see :meth:`Engine.store_hashes`)."""
         portal, engine = self._running()
-        return int(portal.call(engine.store_hashes, hashes, payloads))
+        return int(portal.call(partial(engine.store_hashes, hashes, payloads, blocks=blocks)))
 
     def store_hashes_nowait(
-        self, hashes: Sequence[int], payloads: Sequence[Any]
+        self,
+        hashes: Sequence[int],
+        payloads: Sequence[Any],
+        *,
+        blocks: Sequence[ChunkBlocks] | None = None,
     ) -> concurrent.futures.Future[int]:
         """:meth:`store_hashes` without waiting; the payloads must stay unchanged until the
         future is done."""
         portal, engine = self._running()
-        return portal.start_task_soon(engine.store_hashes, hashes, payloads)
+        return portal.start_task_soon(partial(engine.store_hashes, hashes, payloads, blocks=blocks))
 
     def store_nowait(
-        self, token_ids: Sequence[int] | Any, payloads: Sequence[Any]
+        self,
+        token_ids: Sequence[int] | Any,
+        payloads: Sequence[Any],
+        *,
+        salt: bytes | None = None,
     ) -> concurrent.futures.Future[int]:
         """Schedule a store and return at once; the future gives the chunk count.
 
         The payloads must stay unchanged until the future is done.
         """
         portal, engine = self._running()
-        return portal.start_task_soon(engine.store, token_ids, payloads)
+        return portal.start_task_soon(partial(engine.store, token_ids, payloads, salt=salt))
+
+    def describe_chunks(self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks]) -> None:
+        """Name chunks for KV events (see :meth:`Engine.describe_chunks`)."""
+        portal, engine = self._running()
+        if engine.kv_events is not None:
+            portal.call(engine.describe_chunks, hashes, blocks)
+
+    def take_kv_events(self, max_events: int | None = None) -> list[KVEvent]:
+        """The KV events the engine queued so far, oldest first (empty when events are off).
+
+        Thread-safe and does not wait for the engine's loop (the events are handed over in a
+        thread-safe queue)."""
+        _, engine = self._running()
+        return engine.take_kv_events(max_events)
 
     def lookup_and_prefetch(
         self,
@@ -281,6 +365,8 @@ class WorkerRuntime:
         out: dict[str, Any] = portal.call(engine.stats)
         if self._server is not None:
             out.update(portal.call(self._server.stats))
+        if self.publisher is not None:
+            out.update(portal.call(self.publisher.stats))
         return out
 
     def is_idle(self) -> bool:
@@ -319,7 +405,7 @@ class WorkerRuntime:
             except Exception as exc:
                 errors.append(exc)
         self._portal_cm = self._portal = self._task = self._stop = None
-        self._server = self._engine = None
+        self._server = self._engine = self.publisher = None
         if errors and self.failure is None:
             raise errors[0]
 

@@ -36,7 +36,7 @@ process-wide ``Context.instance()``, terminated by its owner after its sockets a
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -50,6 +50,7 @@ __all__ = [
     "drain",
     "make_pull",
     "make_push",
+    "make_xpub",
     "open_context",
     "try_send",
 ]
@@ -195,6 +196,15 @@ def make_pull(
     )
 
 
+def make_xpub(ctx: zmq.Context[Any], endpoint: str, *, hwm: int) -> zmq.Socket[bytes]:
+    """A bound XPUB socket on ``endpoint`` (``linger=0``, ``SNDHWM = RCVHWM = hwm``): a PUB
+    socket that also receives its subscribers' (un)subscriptions as messages (``b"\\x01"`` or
+    ``b"\\x00"`` and the topic prefix).  At the high-water mark a subscriber's messages are
+    dropped, never waited for.  See :func:`make_push` for the errors.
+    """
+    return _make_socket(ctx, zmq.XPUB, endpoint, bind=True, hwm=hwm)
+
+
 def try_send(sock: zmq.Socket[Any], data: bytes | memoryview) -> bool:
     """Queue one message without waiting; ``False`` if the socket cannot take it now.
 
@@ -305,6 +315,20 @@ class TrioZmqSocket:
         self._check_open()
         if not try_send(self._sock, data):
             raise trio.WouldBlock
+
+    def send_multipart_nowait(self, frames: Sequence[bytes]) -> None:
+        """Queue one multipart message (all frames or none), or raise
+        :class:`trio.WouldBlock` when the socket cannot take it now.
+
+        Raises:
+            trio.WouldBlock: the socket cannot take it now.
+            trio.ClosedResourceError: the socket was closed.
+        """
+        self._check_open()
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            raise trio.WouldBlock from None
 
     # -- async --------------------------------------------------------------------------
 

@@ -40,6 +40,9 @@ def test_defaults_are_a_working_cpu_only_setup() -> None:
         ("buffer_backend", "cuda"),
         ("disk_read_threads", 0),
         ("save_partial_chunks", "maybe"),
+        ("kv_events", "sometimes"),
+        ("kv_events_max_pending", 0),
+        ("kv_events_max_pending", "many"),
     ],
 )
 def test_bad_field_raises_value_error_naming_it(field: str, value: object) -> None:
@@ -102,6 +105,7 @@ def test_replace_validates() -> None:
         ("socket_hwm", 1 << 31),
         ("max_message_bytes", 1 << 31),
         ("disk_read_threads", 100_000),
+        ("kv_events_max_pending", (1 << 24) + 1),
         ("lookup_timeout_s", 1e12),
         ("claim_ttl_s", float("inf")),
         ("tier_timeout_s", float("nan")),

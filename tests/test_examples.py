@@ -40,6 +40,14 @@ def test_first_lookup() -> None:
     )
 
 
+def test_kv_events_subscriber_demo() -> None:
+    out = run_example("kv_events_subscriber.py", "--demo")
+    assert "AllBlocksCleared" in out
+    assert out.count("BlockStored   CPU/LOCAL") == 6
+    assert out.count("BlockRemoved  CPU/LOCAL") == 2
+    assert "stored 6, removed 2" in out
+
+
 @pytest.mark.slow
 def test_bench_engine_example() -> None:
     out = run_example("bench_engine.py", "3")

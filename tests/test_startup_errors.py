@@ -148,6 +148,24 @@ def test_bad_endpoint_names_the_option() -> None:
     assert_one_line_exit_2(out, "--request-endpoint", "http://x")
 
 
+def test_bad_events_endpoint_names_the_option() -> None:
+    out = run(worker_args("--events-endpoint", "udp://127.0.0.1:5557"))
+    assert_one_line_exit_2(out, "--events-endpoint", "udp://127.0.0.1:5557")
+
+
+def test_events_endpoint_in_use(busy_tcp_port: int) -> None:
+    endpoint = f"tcp://127.0.0.1:{busy_tcp_port}"
+    out = run(worker_args("--events-endpoint", endpoint))
+    assert_one_line_exit_2(out, "--events-endpoint", endpoint, "in use")
+
+
+def test_events_endpoint_with_events_off() -> None:
+    out = run(
+        worker_args("--events-endpoint", "tcp://127.0.0.1:0"), env={"LMPREFETCH_KV_EVENTS": "0"}
+    )
+    assert_one_line_exit_2(out, "--events-endpoint", "kv_events")
+
+
 def test_redis_url_without_the_redis_extra(tmp_path: Path, toml: Callable[[str], str]) -> None:
     """Simulate an install without redis-py: the import fails, the message names the extra."""
     path = toml('redis_url = "redis://127.0.0.1:1"\n')

@@ -36,15 +36,22 @@ with warnings.catch_warnings():
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
         VllmConfig,
     )
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.forward_context import ForwardContext
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        maybe_convert_block_hash,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -99,6 +106,7 @@ def make_vllm_config(
     extra: dict[str, Any] | None = None,
     block_size: int = BLOCK,
     role: str = "kv_both",
+    kv_events: bool = False,
 ) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(
@@ -125,7 +133,30 @@ def make_vllm_config(
             kv_connector_extra_config={"chunk_size": CHUNK, "cpu_bytes": 1 << 22, **(extra or {})},
         ),
         device_config=DeviceConfig("cpu"),
+        # KV events on: the scheduler publishes what connector.take_events() yields (the test
+        # swaps vLLM's null publisher for a recorder).
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
     )
+
+
+class RecordingPublisher:
+    """Stands in for vLLM's event publisher: keeps every batch the scheduler publishes."""
+
+    def __init__(self) -> None:
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        return
+
+    def take(self) -> list[Any]:
+        events = [e for b in self.batches for e in b.events]
+        self.batches.clear()
+        return events
 
 
 def kv_value(token: Any, pos: Any, layer: int) -> Any:
@@ -166,6 +197,8 @@ class Harness:
         self.caches = {name: torch.zeros(num_blocks, HEADS, BLOCK, ROW) for name in LAYERS}
         self.invalid_history: list[set[int]] = []
         self.stats = LMPrefetchConnectorStats()
+        self.published = RecordingPublisher()
+        self.scheduler.kv_event_publisher = self.published
         self._probes = 0
         if register:
             self.register()
@@ -177,13 +210,15 @@ class Harness:
     def runtime(self) -> Any:
         return self.worker.worker_side.runtime
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, **kwargs: Any) -> Request:
+        """Add a request; ``kwargs`` go to vLLM's ``Request`` (``cache_salt``, ``lora_request``)."""
         request = Request(
             request_id=req_id,
             prompt_token_ids=tokens,
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             pooling_params=None,
             block_hasher=get_request_block_hasher(BLOCK, sha256),
+            **kwargs,
         )
         self.scheduler.add_request(request)
         return request
@@ -224,6 +259,7 @@ class Harness:
                 finished_recving=results.finished_recving or None,
                 invalid_block_ids=invalid,
                 kv_connector_stats=stats,
+                kv_cache_events=worker.get_kv_connector_kv_cache_events(),
             ),
         )
         engine_outputs = self.scheduler.update_from_output(out, mro)
@@ -707,6 +743,219 @@ def test_claim_lost_under_fail_policy_ends_the_request_with_an_error(make_harnes
     h.step()
     assert req.status == RequestStatus.FINISHED_ERROR
     assert_worker_idle(h.wait_worker_quiet())
+
+
+# -- tenants: cache_salt and LoRA ----------------------------------------------------------------
+def saved_hashes(out: Any, req_id: str) -> list[int]:
+    return [h for spec in out.kv_connector_metadata.saves if spec.req_id == req_id
+            for h in spec.chunk_hashes]  # fmt: skip
+
+
+def serve(h: Any, req_id: str, prompt: list[int], **kwargs: Any) -> tuple[int, list[int]]:
+    """Run one request to the end; its lookup answer and the chunk hashes it saved."""
+    h.add(req_id, prompt, **kwargs)
+    answer = h.wait_answer(req_id)
+    saved: list[int] = []
+    for _ in range(50):
+        if req_id not in h.scheduler.requests:
+            break
+        saved += saved_hashes(h.step(), req_id)
+    assert req_id not in h.scheduler.requests
+    h.wait_worker_quiet()
+    return answer, saved
+
+
+def test_cache_salt_requests_are_cached_in_their_own_name_space(make_harness: Any) -> None:
+    h = make_harness()
+    prompt = tokens_of(21, 100)  # three whole chunks
+    answer, saved_a = serve(h, "a1", prompt, cache_salt="tenant-a")
+    assert answer == 0 and len(saved_a) == 3
+    # Another tenant and the unsalted name space share none of A's chunks.
+    answer, saved_b = serve(h, "b1", prompt, cache_salt="tenant-b")
+    assert answer == 0 and len(saved_b) == 3
+    answer, saved_u = serve(h, "u1", prompt)
+    assert answer == 0 and len(saved_u) == 3
+    assert not set(saved_a) & set(saved_b) and not set(saved_a) & set(saved_u)
+    assert not set(saved_b) & set(saved_u)
+    # Each one's repeat is served from lmprefetch, with the right bytes.
+    for req_id, kwargs in (("a2", {"cache_salt": "tenant-a"}), ("b2", {"cache_salt": "tenant-b"}),
+                           ("u2", {})):  # fmt: skip
+        for t in h.caches.values():
+            t.zero_()
+        h.add(req_id, prompt, **kwargs)
+        assert h.wait_answer(req_id) == 96, req_id
+
+        def check(out: Any, req_id: str = req_id) -> None:
+            [load] = out.kv_connector_metadata.loads
+            assert (load.start_token, load.end_token) == (0, 96)
+            h.assert_loaded(req_id, prompt, 0, 96)
+
+        h.step(before_forward=check)
+        h.run_until_finished(req_id)
+    assert_worker_idle(h.wait_worker_quiet())
+    assert h.stats.data["lookup_hits"] == 3
+
+
+def write_adapter(path: Path, weights: bytes) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_lora_adapters_are_cached_by_name_and_content(make_harness: Any, tmp_path: Path) -> None:
+    """A LoRA request is keyed by the adapter's name and a digest of its files: the same
+    adapter at another path shares the cache, another adapter under the same name does not,
+    nor does the base model, and an adapter replaced in place (``load_inplace``) starts over."""
+    one = write_adapter(tmp_path / "one", b"weights-1" * 100)
+    one_copy = write_adapter(tmp_path / "copy-of-one", b"weights-1" * 100)
+    other = write_adapter(tmp_path / "other", b"weights-2" * 100)
+    h = make_harness()
+    prompt = tokens_of(22, 64)
+    assert serve(h, "l1", prompt, lora_request=LoRARequest("sql", 1, str(one)))[0] == 0
+    assert serve(h, "l2", prompt, lora_request=LoRARequest("sql", 1, str(one)))[0] == 64
+    assert serve(h, "l3", prompt, lora_request=LoRARequest("sql", 2, str(one_copy)))[0] == 64
+    assert serve(h, "l4", prompt, lora_request=LoRARequest("sql", 3, str(other)))[0] == 0
+    assert serve(h, "l5", prompt, lora_request=LoRARequest("chat", 4, str(one)))[0] == 0
+    assert serve(h, "base", prompt)[0] == 0
+    salted = LoRARequest("sql", 1, str(one))
+    assert serve(h, "l6", prompt, lora_request=salted, cache_salt="t")[0] == 0
+    # New weights under the same name and path, loaded in place: a new name space.
+    write_adapter(one, b"weights-3" * 100)
+    inplace = LoRARequest("sql", 1, str(one), load_inplace=True)
+    assert serve(h, "l7", prompt, lora_request=inplace)[0] == 0
+    assert serve(h, "l8", prompt, lora_request=LoRARequest("sql", 1, str(one)))[0] == 64
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_multimodal_and_prompt_embeds_requests_stay_uncached(make_harness: Any) -> None:
+    h = make_harness()
+    st = h.connector.scheduler_side
+    plain = Request("p", tokens_of(23, 64), SamplingParams(max_tokens=1), None)
+    assert st._eligibility(plain) == (True, True)
+    embeds = Request("e", None, SamplingParams(max_tokens=1), None,
+                     prompt_embeds=torch.zeros(64, 128))  # fmt: skip
+    assert st._eligibility(embeds) == (False, False)
+    plain.mm_features = [object()]  # any multimodal input
+    assert st._eligibility(plain) == (False, False)
+
+
+# -- KV events -------------------------------------------------------------------------------
+def vllm_names(request: Any, chunk: int) -> list[Any]:
+    """vLLM's own block hashes of a chunk, as its events carry them."""
+    per = CHUNK // BLOCK
+    hashes = request.block_hashes[chunk * per : (chunk + 1) * per]
+    return [maybe_convert_block_hash(b) for b in hashes]
+
+
+def test_kv_events_name_chunks_by_vllm_block_hashes_and_follow_evictions(
+    make_harness: Any,
+) -> None:
+    chunk_bytes = 2 * len(LAYERS) * BLOCK * ROW * 4  # two blocks, two layers, float32
+    h = make_harness(
+        kv_events=True, extra={"cpu_bytes": 4 * chunk_bytes, "chunk_bytes": chunk_bytes}
+    )
+    first = tokens_of(24, 100)
+    ra = h.add("a", first, cache_salt="t1")
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    events = h.published.take()
+    assert [type(e) for e in events] == [BlockStored] * 3
+    for c, ev in enumerate(events):
+        assert ev.medium == "CPU" and ev.locality == "LOCAL" and ev.ownership == "lmprefetch"
+        assert ev.block_hashes == vllm_names(ra, c)  # salted by vLLM itself: the same names
+        assert ev.block_size == BLOCK
+        assert ev.token_ids == first[c * CHUNK : (c + 1) * CHUNK]
+        assert ev.parent_block_hash == (None if c == 0 else vllm_names(ra, c - 1)[-1])
+        assert ev.lora_name is None
+    # Three more chunks through a four-slot CPU tier: a's two oldest chunks are evicted.
+    rb = h.add("b", tokens_of(25, 100))
+    h.wait_answer("b")
+    h.run_until_finished("b")
+    events = h.published.take()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in stored] == [vllm_names(rb, c) for c in range(3)]
+    assert sorted(e.block_hashes for e in removed) == sorted(
+        [vllm_names(ra, 0), vllm_names(ra, 1)]
+    )
+    assert all(e.medium == "CPU" for e in removed)
+    # A repeat that hits stores nothing new: a load is not a store.
+    h.add("b2", tokens_of(25, 100))
+    assert h.wait_answer("b2") == 96
+    h.run_until_finished("b2")
+    assert h.published.take() == []
+
+
+def test_restarted_worker_names_its_disk_chunks_when_a_request_loads_them(
+    make_harness: Any, tmp_path: Path
+) -> None:
+    """vLLM's block hashes are not kept with a chunk, so a restarted connector announces a
+    disk chunk from before once a request that loads it names it."""
+    extra = {"disk_path": str(tmp_path / "disk")}
+    prompt = tokens_of(26, 100)
+    before = make_harness(kv_events=True, extra=extra)
+    before.add("a", prompt)
+    before.wait_answer("a")
+    before.run_until_finished("a")
+    before.runtime.call(before.runtime.engine.flush)  # on disk now
+    before.step()  # the disk stores are published at the next step
+    names = {tuple(e.block_hashes) for e in before.published.take() if e.medium == "STORAGE"}
+    assert len(names) == 3
+    before.close()
+
+    after = make_harness(kv_events=True, extra=extra)
+    after.step()
+    assert after.published.take() == []  # nothing announced: no names yet
+    rb = after.add("b", [*prompt, 1, 2, 3])
+    assert after.wait_answer("b") == 96  # from disk
+    after.step()
+    events = after.published.take()
+    disk = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    assert [e.block_hashes for e in disk] == [vllm_names(rb, c) for c in range(3)]
+    assert {tuple(e.block_hashes) for e in disk} == names
+
+
+def test_lmprefetch_event_batches_are_vllm_event_batches() -> None:
+    """A standalone worker's payload decodes with vLLM's own decoder, field for field, and
+    vLLM's decodes with lmprefetch's."""
+    import msgspec
+
+    from lmprefetch import events as ours
+
+    batch = ours.KVEventBatch(
+        ts=12.5,
+        events=[
+            ours.AllBlocksCleared(),
+            ours.BlockStored(
+                [1, b"\x02" * 32], 7, [5, 6], 2, 3, "CPU", "ad", locality="LOCAL",
+                ownership="lmprefetch",
+            ),
+            ours.BlockRemoved([1, b"\x02" * 32], "STORAGE", locality="REMOTE",
+                              ownership="lmprefetch"),
+        ],
+    )  # fmt: skip
+    theirs = msgspec.msgpack.Decoder(KVEventBatch).decode(ours.encode_batch(batch))
+    assert theirs.ts == 12.5 and len(theirs.events) == 3
+    for mine, vllms in zip(batch.events, theirs.events):
+        assert type(mine).__name__ == type(vllms).__name__
+        assert msgspec.structs.asdict(mine) == {
+            k: v for k, v in msgspec.structs.asdict(vllms).items() if k in mine.__struct_fields__
+        }
+    assert ours.decode_batch(msgspec.msgpack.encode(theirs)) == batch
+    # The mirror is complete: every field of vLLM's events is in lmprefetch's schema.
+    assert set(ours.BlockStored.__struct_fields__) == set(BlockStored.__struct_fields__)
+    assert set(ours.BlockRemoved.__struct_fields__) == set(BlockRemoved.__struct_fields__)
+
+
+def test_kv_events_can_be_turned_off(make_harness: Any) -> None:
+    h = make_harness(kv_events=True, extra={"kv_events": False})
+    h.add("a", tokens_of(27, 64))
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    assert h.worker.get_kv_connector_kv_cache_events() is None
+    assert h.published.batches == []
+    assert h.runtime.engine.kv_events is None
 
 
 # -- configuration and the byte codec -------------------------------------------------------

@@ -17,6 +17,10 @@ Rules every tier keeps:
   the caller releases every buffer; no write into a buffer may happen after ``load`` returns or
   raises (never abandon a thread that writes into a buffer).
 * Errors raised by a tier end the lookup's prefix at that tier; they never fail a lookup.
+* A tier derived from :class:`BaseTier` reports where its index changes: ``_note_stored(key)``
+  when a key becomes loadable from it, ``_note_removed(key)`` when it stops being (evicted,
+  removed, found missing or corrupt).  The engine's KV-event tracker listens
+  (:mod:`lmprefetch.events`); with no listener these cost one attribute test.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import trio
 from ..keys import ChunkKey
 from ..memory import Buffer
 
-__all__ = ["BaseTier", "Tier", "TierStats", "WriteBehindTier", "ZeroCopyTier"]
+__all__ = ["BaseTier", "ResidencyListener", "Tier", "TierStats", "WriteBehindTier", "ZeroCopyTier"]
 
 
 class TierStats:
@@ -151,6 +155,14 @@ class WriteBehindTier(Protocol):
         ...
 
 
+class ResidencyListener(Protocol):
+    """Told about every change of what a tier holds (synchronously, on the Trio thread)."""
+
+    def stored(self, tier: str, key: ChunkKey) -> None: ...
+
+    def removed(self, tier: str, key: ChunkKey) -> None: ...
+
+
 class BaseTier:
     """Pin bookkeeping and a default :meth:`contains_prefix` built on per-key :meth:`contains`.
 
@@ -164,6 +176,16 @@ class BaseTier:
         self._pins: dict[ChunkKey, int] = {}
         self._pin_total = 0
         self.stats = TierStats()
+        #: Told where this tier's index changes (the engine's KV-event tracker), or ``None``.
+        self.listener: ResidencyListener | None = None
+
+    def _note_stored(self, key: ChunkKey) -> None:
+        if self.listener is not None:
+            self.listener.stored(self.name, key)
+
+    def _note_removed(self, key: ChunkKey) -> None:
+        if self.listener is not None:
+            self.listener.removed(self.name, key)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} pinned={self._pin_total}>"

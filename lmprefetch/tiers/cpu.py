@@ -93,6 +93,7 @@ class CpuTier(BaseTier):
         self._entries[key] = buf
         self.stats.chunks_stored += 1
         self.stats.bytes_stored += buf.length
+        self._note_stored(key)
         return buf
 
     async def store(self, key: ChunkKey, payload: Buffer) -> bool:
@@ -112,6 +113,7 @@ class CpuTier(BaseTier):
                 del self._entries[key]
                 buf.release()
                 self.stats.evictions += 1
+                self._note_removed(key)
                 return True
         return False
 
@@ -125,6 +127,7 @@ class CpuTier(BaseTier):
         if buf is None:
             return False
         buf.release()
+        self._note_removed(key)
         return True
 
     # -- accounting -------------------------------------------------------------------
@@ -149,5 +152,6 @@ class CpuTier(BaseTier):
     def clear(self) -> None:
         """Drop every cached entry (each drops only the cache's own reference)."""
         entries, self._entries = self._entries, OrderedDict()
-        for buf in entries.values():
+        for key, buf in entries.items():
             buf.release()
+            self._note_removed(key)

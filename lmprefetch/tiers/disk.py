@@ -220,6 +220,7 @@ class DiskTier(BaseTier):
         size = self._index.pop(key, None)
         if size is not None:
             self._used_bytes -= size
+            self._note_removed(key)
 
     # -- load -------------------------------------------------------------------------
     async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
@@ -487,6 +488,7 @@ class DiskTier(BaseTier):
         self._used_bytes += size
         self.stats.chunks_stored += 1
         self.stats.bytes_stored += buf.length
+        self._note_stored(key)
 
     def _choose_victims(self, size: int) -> list[ChunkKey] | None:
         """Least recently used unpinned keys whose eviction makes room for ``size`` bytes, or

@@ -191,19 +191,21 @@ def _get_prefix(
 
 def _set_all(
     client: Any, items: Sequence[tuple[bytes, bytes]]
-) -> tuple[int, int, BaseException | None]:
-    """Pipelined SET; how many succeeded, their payload bytes, and the first error."""
+) -> tuple[list[bool], int, BaseException | None]:
+    """Pipelined SET; which succeeded, their payload bytes, and the first error."""
     pipe = client.pipeline(transaction=False)
     for name, value in items:
         pipe.set(name, value)
     results = pipe.execute(raise_on_error=False)
-    ok = ok_bytes = 0
+    ok: list[bool] = []
+    ok_bytes = 0
     error: BaseException | None = None
     for (_, value), result in zip(items, results, strict=True):
         if isinstance(result, BaseException):
             error = error or result
+            ok.append(False)
         else:
-            ok += 1
+            ok.append(True)
             ok_bytes += len(value) - HEADER_BYTES
     return ok, ok_bytes, error
 
@@ -403,9 +405,12 @@ class RedisTier(BaseTier):
         """Whether ``key`` is in Redis (``False`` while backing off or on failure)."""
         name = redis_key(key)
         try:
-            return bool(await self._remote("EXISTS", lambda client: client.exists(name)))
+            found = bool(await self._remote("EXISTS", lambda client: client.exists(name)))
         except _Unavailable:
             return False
+        if not found:
+            self._note_removed(key)  # evicted by Redis, or deleted by another engine
+        return found
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
         """How many leading ``keys`` are in Redis (pipelined EXISTS, in batches, stopping at the
@@ -423,6 +428,9 @@ class RedisTier(BaseTier):
                     self._failed("EXISTS", error)
                     break
                 if hit < len(batch):
+                    # Redis said this key is not there: evicted by its own policy, or deleted
+                    # by another engine (Redis tells nobody; a probe is how we learn it).
+                    self._note_removed(keys[n])
                     break
         except _Unavailable:
             pass  # the prefix ends here; counted and backing off
@@ -478,6 +486,7 @@ class RedisTier(BaseTier):
             if corrupt:
                 self.stats.errors += 1
                 log.warning("redis tier: corrupt value under %s; dropped", names[n - start])
+                self._note_removed(keys[n])
                 break
             if n < end:
                 break
@@ -492,9 +501,11 @@ class RedisTier(BaseTier):
         """Delete ``key`` from Redis; ``False`` if it was not there or Redis is unavailable."""
         name = redis_key(key)
         try:
-            return bool(await self._remote("DEL", lambda client: client.delete(name)))
+            deleted = bool(await self._remote("DEL", lambda client: client.delete(name)))
         except _Unavailable:
             return False
+        self._note_removed(key)  # gone now, whoever deleted it
+        return deleted
 
     # -- write-behind ------------------------------------------------------------------
     def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
@@ -545,8 +556,9 @@ class RedisTier(BaseTier):
             entry.written = True  # accounted below, or counted dropped by the loop if cancelled
         # Copy out of the arena in a thread that is never abandoned, then let go of the buffers
         # at once: the network part below may be abandoned and never sees arena memory.
-        buffers = [(redis_key(e.key), e.take_buffer()) for e in live]
-        owned = [(name, buf) for name, buf in buffers if buf is not None]
+        taken = [(e.key, e.take_buffer()) for e in live]
+        keys = [key for key, buf in taken if buf is not None]
+        owned = [(redis_key(key), buf) for key, buf in taken if buf is not None]
         try:
             if self._closed or self.backing_off:
                 await trio.lowlevel.checkpoint()
@@ -567,10 +579,14 @@ class RedisTier(BaseTier):
         except BaseException:
             self.stats.writes_dropped += len(items)
             raise
-        self.stats.chunks_stored += ok
+        stored = sum(ok)
+        self.stats.chunks_stored += stored
         self.stats.bytes_stored += ok_bytes
+        for key, done in zip(keys, ok):
+            if done:
+                self._note_stored(key)
         if error is not None:
-            self.stats.writes_dropped += len(items) - ok
+            self.stats.writes_dropped += len(items) - stored
             self._failed("SET", error)
 
     # -- shutdown ----------------------------------------------------------------------

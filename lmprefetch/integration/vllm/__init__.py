@@ -23,8 +23,9 @@ that rank's lookup endpoint.  Endpoints are abstract ipc names derived from vLLM
 ``kv_transfer_config.engine_id`` (unique per engine, ``_dp<k>`` appended per data-parallel
 rank), so no configuration is needed and nothing is left on disk.
 
-1. ``on_new_request``: the prompt is hashed once (:class:`~lmprefetch.hashing.ChunkHasher`;
-   the same hashes later check the claimed chunks and name the saved ones) and the lookup
+1. ``on_new_request``: the prompt is hashed once (:class:`~lmprefetch.hashing.ChunkHasher`,
+   under the request's salt, see *Tenants*; the same hashes later check the claimed chunks and
+   name the saved ones) and the lookup
    starts at once, before the request can be scheduled, with ``skip_tokens`` = vLLM's own
    prefix-cache hit at that moment, read side-effect free from the cache manager and rounded
    down to whole chunks (workers count those chunks as hit and neither probe nor load them).
@@ -62,11 +63,22 @@ of this rank's heads), in the tensor's logical element order.  So a payload is
 ``rows * sum(row_bytes)`` bytes, layer-major; in layerwise mode part ``l`` is layer ``l``.
 A trailing partial chunk (``save_partial_chunks``) has ``ceil(tokens / block_size)`` rows.
 
-Requests that are never looked up nor saved
--------------------------------------------
-Requests with a LoRA adapter, a ``cache_salt``, multimodal inputs or prompt embeddings: their
-KV depends on more than the token ids, which is all a chunk hash covers.  Requests that skip
-prefix-cache reads (e.g. prompt logprobs) are saved but not looked up.
+Tenants
+-------
+Requests with a ``cache_salt`` or a LoRA adapter are looked up and saved in their own name
+space: their chunk hashes are salted with the cache salt and the adapter's name and identity (a
+digest of its files), so they never share a chunk with another tenant, another adapter or the
+unsalted requests (``tenancy.py``).  Requests with multimodal inputs or prompt embeddings are
+never looked up nor saved: their KV depends on data the token ids do not name.  Requests that
+skip prefix-cache reads (e.g. prompt logprobs) are saved but not looked up.
+
+KV events
+---------
+With vLLM's ``--kv-events-config`` (and ``kv_events`` left on), the workers' tiers emit
+``BlockStored`` / ``BlockRemoved`` for the chunks they store and evict, named by vLLM's own block
+hashes (the scheduler sends each saved chunk's names with the save), with a medium per tier;
+vLLM publishes them with its own events (``get_kv_connector_kv_cache_events`` →
+``update_connector_output`` → ``take_events``).  See ``docs/tenancy-and-events.md``.
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ from .connector import LMPrefetchConnector as LMPrefetchConnector
 from .layout import PagedKVLayout as PagedKVLayout
 from .metadata import LMPrefetchConnectorMetadata as LMPrefetchConnectorMetadata
 from .metadata import LMPrefetchConnectorStats as LMPrefetchConnectorStats
+from .metadata import LMPrefetchKVEvents as LMPrefetchKVEvents
 from .metadata import LoadSpec as LoadSpec
 from .metadata import SaveSpec as SaveSpec
 
@@ -84,6 +97,7 @@ __all__ = [
     "LMPrefetchConnector",
     "LMPrefetchConnectorMetadata",
     "LMPrefetchConnectorStats",
+    "LMPrefetchKVEvents",
     "LoadSpec",
     "PagedKVLayout",
     "SaveSpec",

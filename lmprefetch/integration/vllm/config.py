@@ -65,6 +65,13 @@ def endpoint_names(engine_id: str, world_size: int) -> tuple[list[str], str]:
     return [f"{base}-w{rank}" for rank in range(world_size)], f"{base}-sched"
 
 
+def kv_events_wanted(vllm_config: Any, config: PrefetchConfig) -> bool:
+    """Emit KV events: vLLM publishes them (``--kv-events-config`` with
+    ``enable_kv_cache_events``) and ``kv_events`` is not turned off."""
+    kvc = getattr(vllm_config, "kv_events_config", None)
+    return bool(config.kv_events and kvc is not None and kvc.enable_kv_cache_events)
+
+
 def _world_size(vllm_config: Any) -> int:
     pc = vllm_config.parallel_config
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):

@@ -4,17 +4,21 @@ and delegates every call to it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import torch
+from vllm.distributed import kv_events as vllm_kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...events import KVEvent
 from .config import load_prefetch_config
-from .metadata import LMPrefetchConnectorMetadata, LMPrefetchConnectorStats
+from .metadata import LMPrefetchConnectorMetadata, LMPrefetchConnectorStats, LMPrefetchKVEvents
 from .scheduler import _SchedulerSide
 from .worker import _WorkerSide
 
@@ -124,6 +128,20 @@ class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> LMPrefetchKVEvents | None:
+        """The rank's KV events since the last step (lmprefetch's tiers: stores, evictions)."""
+        return self.worker_side.kv_cache_events()
+
+    # -- KV events, scheduler side -----------------------------------------------------------
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[Any]:
+        """lmprefetch's KV events for vLLM's publisher (as vLLM's own event classes)."""
+        for event in self.scheduler_side.take_events():
+            yield _to_vllm_event(event)
+
     # -- both -------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> LMPrefetchConnectorStats | None:
         side = self._scheduler if self._scheduler is not None else self._worker
@@ -140,3 +158,12 @@ class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _to_vllm_event(event: KVEvent) -> Any:
+    """The same event as vLLM's own class (lmprefetch's schema mirrors it; fields a vLLM
+    version lacks are left out)."""
+    cls = getattr(vllm_kv_events, type(event).__name__)
+    known = set(cls.__struct_fields__)
+    fields = {k: v for k, v in msgspec.structs.asdict(event).items() if k in known}
+    return cls(**fields)

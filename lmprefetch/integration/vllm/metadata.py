@@ -7,10 +7,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from ...events import ChunkBlocks, KVEvent
 
 
 # -- metadata (scheduler → workers; pickled every step) ------------------------------------
@@ -31,6 +34,9 @@ class LoadSpec:
     end_token: int
     chunk_hashes: list[int]
     block_ids: list[int]
+    #: vLLM's names of the chunks (KV events on): a worker announces a chunk it held
+    #: unannounced (from before a restart) once a request loads it.
+    blocks: list[ChunkBlocks] | None = None
 
 
 @dataclass
@@ -39,7 +45,8 @@ class SaveSpec:
 
     ``chunk_rows[i]`` is the number of blocks chunk ``first_chunk + i`` spans (fewer than
     ``chunk_size // block_size`` only for a trailing partial chunk); ``block_ids`` are those
-    blocks, chunk after chunk.
+    blocks, chunk after chunk.  ``blocks[i]`` (KV events on) is what vLLM calls chunk
+    ``first_chunk + i``: its block hashes, tokens, parent and LoRA adapter.
     """
 
     req_id: str
@@ -47,6 +54,7 @@ class SaveSpec:
     chunk_hashes: list[int]
     chunk_rows: list[int]
     block_ids: list[int]
+    blocks: list[ChunkBlocks] | None = None
 
 
 @dataclass
@@ -57,15 +65,52 @@ class LMPrefetchConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
 
 
+# -- KV events (workers → scheduler; pickled every step) ------------------------------------
+class LMPrefetchKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
+    """One step's KV events of the workers, each as ``(rank, event)``.
+
+    vLLM gathers every worker's object into one (``add_events`` with the others'
+    ``get_all_events()``, ``increment_workers``) and hands it to the scheduler side's
+    ``update_connector_output``, which merges the ranks (an event is published once every rank
+    agrees; see :class:`~lmprefetch.events.RankEventMerger`).
+    """
+
+    def __init__(self, rank: int = 0, events: list[KVEvent] | None = None) -> None:
+        self._records: list[tuple[int, KVEvent]] = [(rank, e) for e in events or ()]
+        self._workers = 1
+
+    def add_events(self, events: list[Any]) -> None:
+        self._records.extend(events)
+
+    def aggregate(self) -> LMPrefetchKVEvents:
+        return self  # the scheduler side merges ranks itself
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self._records)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._records.clear()
+
+    def __repr__(self) -> str:
+        return f"<LMPrefetchKVEvents workers={self._workers} events={len(self._records)}>"
+
+
 # -- stats --------------------------------------------------------------------------------
 class LMPrefetchConnectorStats(KVConnectorStats):  # type: ignore[misc]
     """Counters since the last collection, summed over the scheduler and every worker rank.
 
     Scheduler side: ``lookups`` (started), ``lookup_hits`` (requests that loaded tokens),
     ``hit_tokens`` (tokens loaded instead of computed), ``lookup_restarts``,
-    ``save_chunks_planned``.  Worker side (summed over ranks): ``loaded_chunks``,
-    ``loaded_bytes``, ``load_failures`` (requests whose claim came back short),
-    ``failed_blocks``, ``saved_chunks``, ``saved_bytes``, ``save_errors``.
+    ``save_chunks_planned``, ``kv_events`` (KV events handed to vLLM's publisher).  Worker
+    side (summed over ranks): ``loaded_chunks``, ``loaded_bytes``, ``load_failures`` (requests
+    whose claim came back short), ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
+    ``save_errors``.
     """
 
     def reset(self) -> None:

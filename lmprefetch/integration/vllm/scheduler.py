@@ -8,15 +8,18 @@ import time
 from typing import Any
 
 from ...config import PrefetchConfig
+from ...events import ChunkBlocks, KVEvent, RankEventMerger
 from ...hashing import ChunkHasher
-from .config import _world_size, endpoint_names
+from .config import _world_size, endpoint_names, kv_events_wanted
 from .metadata import (
     LMPrefetchConnectorMetadata,
     LMPrefetchConnectorStats,
+    LMPrefetchKVEvents,
     LoadSpec,
     SaveSpec,
     _Counters,
 )
+from .tenancy import LoraIdentities, chunk_blocks, request_salt
 
 log = logging.getLogger("lmprefetch.integration.vllm")
 
@@ -42,16 +45,21 @@ class _RequestState:
         "lookup_ok",
         "request",
         "result",
+        "salt",
         "save_ok",
         "saved_tokens",
         "skip_tokens",
         "started_at",
     )
 
-    def __init__(self, request: Any, lookup_ok: bool, save_ok: bool) -> None:
+    def __init__(
+        self, request: Any, lookup_ok: bool, save_ok: bool, salt: bytes | None = None
+    ) -> None:
         self.request = request
         self.lookup_ok = lookup_ok
         self.save_ok = save_ok
+        #: The request's name space (cache_salt, LoRA adapter): its chunks are hashed under it.
+        self.salt = salt
         #: A lookup of this id is registered in the client (not yet forgotten or cancelled).
         self.live = False
         #: The answer (tokens from 0, skipped chunks included), once known.
@@ -86,8 +94,15 @@ class _SchedulerSide:
         self._do_load = bool(ktc.is_kv_consumer)
         self._do_save = bool(ktc.is_kv_producer)
         self._stale_after_s = config.claim_ttl_s * _STALE_ANSWER_FRACTION
-        workers, response = endpoint_names(str(ktc.engine_id), _world_size(vllm_config))
+        world_size = _world_size(vllm_config)
+        workers, response = endpoint_names(str(ktc.engine_id), world_size)
         self._client = LookupClient(config, workers, response)
+        self._loras = LoraIdentities()
+        #: KV events (vLLM's ``--kv-events-config`` and ``kv_events``): the ranks' streams
+        #: merged into one, published by vLLM's scheduler through :meth:`take_events`.
+        self._events: RankEventMerger | None = (
+            RankEventMerger(world_size) if kv_events_wanted(vllm_config, config) else None
+        )
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._kv_cache_manager: Any = None
@@ -103,24 +118,24 @@ class _SchedulerSide:
     # -- lookups ----------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         lookup_ok, save_ok = self._eligibility(request)
-        st = _RequestState(request, lookup_ok, save_ok)
+        salt = request_salt(request, self._loras) if (lookup_ok or save_ok) else None
+        st = _RequestState(request, lookup_ok, save_ok, salt)
         self._reqs[request.request_id] = st
         if lookup_ok:
             self._start_lookup(st, self._local_hit(request))
 
     def _eligibility(self, request: Any) -> tuple[bool, bool]:
-        keyed_by_tokens_only = (
+        # cache_salt and LoRA requests are keyed in their own name space (their salt);
+        # multimodal and prompt-embedding requests depend on more than the token ids.
+        keyable = (
             getattr(request, "prompt_token_ids", None) is not None
             and not getattr(request, "mm_features", None)
-            and getattr(request, "lora_request", None) is None
-            and not getattr(request, "cache_salt", None)
+            and getattr(request, "prompt_embeds", None) is None
         )
         lookup_ok = (
-            self._do_load
-            and keyed_by_tokens_only
-            and not getattr(request, "skip_reading_prefix_cache", False)
+            self._do_load and keyable and not getattr(request, "skip_reading_prefix_cache", False)
         )
-        return lookup_ok, self._do_save and keyed_by_tokens_only
+        return lookup_ok, self._do_save and keyable
 
     def _local_hit(self, request: Any) -> int:
         """vLLM's own prefix-cache hit now (side-effect free; 0 if unknown)."""
@@ -244,6 +259,8 @@ class _SchedulerSide:
                 end_token=end,
                 chunk_hashes=hashes[first_chunk:last_chunk],
                 block_ids=block_ids[: -(-end // self._block_size)],
+                # Names for chunks the workers hold unannounced (from before a restart).
+                blocks=self._blocks_of(request, first_chunk, len(hashes[first_chunk:last_chunk])),
             )
             # The workers keep the prefetch for the step's claim.
             self._client.forget(req_id)
@@ -267,7 +284,7 @@ class _SchedulerSide:
             want == whole and whole <= st.hashed_tokens // self._chunk_size
         ):
             return st.hashes[:want]
-        st.hashes = self._hasher.hash(list(st.request.all_token_ids[:num_tokens]))
+        st.hashes = self._hasher.hash(list(st.request.all_token_ids[:num_tokens]), st.salt)
         st.hashed_tokens = num_tokens
         return st.hashes
 
@@ -311,7 +328,24 @@ class _SchedulerSide:
             return None
         st.saved_tokens = end
         self.counters.add("save_chunks_planned", len(rows))
-        return SaveSpec(req.request_id, first_chunk, hashes[first_chunk:], rows, ids)
+        return SaveSpec(
+            req.request_id,
+            first_chunk,
+            hashes[first_chunk:],
+            rows,
+            ids,
+            blocks=self._blocks_of(req, first_chunk, len(rows)),
+        )
+
+    def _blocks_of(self, request: Any, first_chunk: int, n_chunks: int) -> list[ChunkBlocks] | None:
+        """vLLM's names of chunks ``first_chunk …`` for KV events (``None`` when events are
+        off): the workers announce the chunks under them."""
+        if self._events is None:
+            return None
+        cs, bs = self._chunk_size, self._block_size
+        return [
+            chunk_blocks(request, c, cs, bs) for c in range(first_chunk, first_chunk + n_chunks)
+        ]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -327,6 +361,25 @@ class _SchedulerSide:
             self._client.cancel(req_id)
         # Saves complete inside the step (wait_for_save): no block outlives the request.
         return False, None
+
+    # -- KV events ---------------------------------------------------------------------
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Take the workers' KV events of the step (each tagged with its rank)."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if self._events is None or not isinstance(events, LMPrefetchKVEvents):
+            return
+        for rank, event in events.get_all_events():
+            self._events.add(rank, event)
+
+    def take_events(self) -> list[KVEvent]:
+        """Events every rank agrees on since the last call (see
+        :class:`~lmprefetch.events.RankEventMerger`)."""
+        if self._events is None:
+            return []
+        events = self._events.take()
+        if events:
+            self.counters.add("kv_events", len(events))
+        return events
 
     def stats(self) -> LMPrefetchConnectorStats | None:
         return self.counters.take()

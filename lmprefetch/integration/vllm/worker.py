@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from ...config import KV_DTYPES, PrefetchConfig
-from .config import _worker_rank, _world_size, endpoint_names
+from .config import _worker_rank, _world_size, endpoint_names, kv_events_wanted
 from .layout import PagedKVLayout
 from .metadata import (
     LMPrefetchConnectorMetadata,
     LMPrefetchConnectorStats,
+    LMPrefetchKVEvents,
     LoadSpec,
     SaveSpec,
     _Counters,
@@ -50,6 +51,7 @@ class _WorkerSide:
         self._layout: PagedKVLayout | None = None
         self._load_errors: set[int] = set()
         self._staging: torch.Tensor | None = None
+        self._kv_events = kv_events_wanted(vllm_config, config)
         self.counters = _Counters()
 
     @property
@@ -76,6 +78,8 @@ class _WorkerSide:
             world_size=self._world_size,
             request_endpoint=self._request_endpoint,
             response_endpoint=self._response_endpoint,
+            # Chunks are announced under vLLM's block hashes, which only the scheduler knows.
+            kv_events="described" if self._kv_events else "off",
         )
         log.info(
             "lmprefetch worker rank %d/%d: %d layers, %d-byte chunk payloads, endpoint %s",
@@ -138,6 +142,12 @@ class _WorkerSide:
         loaded_to = start_block
         runtime, layout = self._runtime, self._layout
         if runtime is not None and layout is not None:
+            if spec.blocks and self._kv_events:
+                try:
+                    runtime.describe_chunks(spec.chunk_hashes, spec.blocks)
+                except RuntimeError as exc:
+                    log.warning("request %s: naming chunks for KV events failed: %s",
+                                spec.req_id, exc)  # fmt: skip
             try:
                 loaded_to = self._claim_and_copy(spec, runtime, layout, start_block, end_block)
             except (ValueError, RuntimeError) as exc:
@@ -209,9 +219,12 @@ class _WorkerSide:
         for first in range(0, len(chunks), _SAVE_BATCH_CHUNKS):
             batch = chunks[first : first + _SAVE_BATCH_CHUNKS]
             hashes = spec.chunk_hashes[first : first + _SAVE_BATCH_CHUNKS]
+            blocks = None
+            if spec.blocks is not None and self._kv_events:
+                blocks = spec.blocks[first : first + _SAVE_BATCH_CHUNKS]
             try:
                 payloads = layout.extract(batch, out=self._staging_for(layout))
-                stored = runtime.store_hashes(hashes, [p.numpy() for p in payloads])
+                stored = runtime.store_hashes(hashes, [p.numpy() for p in payloads], blocks=blocks)
             except (ValueError, RuntimeError) as exc:
                 self.counters.add("save_errors")
                 log.warning("request %s: storing KV chunks failed: %s", spec.req_id, exc)
@@ -229,6 +242,16 @@ class _WorkerSide:
             pin = layout.device.type == "cuda"
             self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         return self._staging
+
+    def kv_cache_events(self) -> LMPrefetchKVEvents | None:
+        """The KV events the rank's tiers produced since the last call (``None`` if none)."""
+        if not self._kv_events or self._runtime is None:
+            return None
+        try:
+            events = self._runtime.take_kv_events()
+        except RuntimeError:  # the runtime failed (reported when it happened)
+            return None
+        return LMPrefetchKVEvents(self._rank, events) if events else None
 
     def stats(self) -> LMPrefetchConnectorStats | None:
         return self.counters.take()
