@@ -38,6 +38,7 @@ UNITS = {
     "disk_write_queue": "chunks",
     "redis_write_queue": "chunks",
     "socket_hwm": "messages",
+    "kv_events_max_pending": "events",
 }
 
 _SECTION = re.compile(r"^\s*# -- (?P<name>.+?) -+\s*$")
