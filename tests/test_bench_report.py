@@ -89,7 +89,7 @@ def _engine_result(lmcache: dict[str, Any] | None) -> dict[str, Any]:
         "cpu_hit_us": 40.0, "miss_us": 10.0, "disk_hit_us": 4000.0, "disk_x8_us": 40000.0,
         "trio_checkpoint_us": 4.0, "raw_read_16_us": 2500.0, "raw_read_verified_16_us": 3500.0,
         "raw_read_x8_us": 30000.0, "raw_read_verified_x8_us": 35000.0,
-        "engine_open_ms": 5.0, "arena_prefault": True, "cpu_bytes": 1 << 30,
+        "engine_open_ms": 5.0, "arena_prefault_bytes": 1 << 30, "cpu_bytes": 1 << 30,
         "cold_first_disk_us": 12000.0, "cold_ratio": 3.0, "idle_after": True,
         "lmcache": lmcache,
     }  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -78,3 +79,38 @@ def test_release_from_many_threads() -> None:
     for t in threads:
         t.join()
     assert arena.free_slots == 64
+
+
+def _resident_bytes(arena: Arena) -> int:
+    """Bytes of the arena that are in memory now (``mincore``, page by page)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-arena.total_bytes // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    view = arena._view
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert libc.mincore(address, arena.total_bytes, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping: Linux")
+def test_prefault_maps_the_first_slots_into_memory_now() -> None:
+    slot = 64 * 1024
+    arena = Arena(slot, 32)
+    try:
+        assert _resident_bytes(arena) == 0  # anonymous memory: nothing mapped until used
+        # Whole slots, from the first: the ones allocate() hands out first.
+        assert arena.prefault(10 * slot + 1) == 11 * slot
+        assert _resident_bytes(arena) == 11 * slot
+        first = arena.allocate()
+        assert first is not None and first.index == 0
+        first.release()
+        assert arena.prefault(1 << 40) == arena.total_bytes  # capped at the arena
+        assert _resident_bytes(arena) == arena.total_bytes
+        assert arena.prefault(0) == 0
+    finally:
+        arena.close()
