@@ -144,6 +144,8 @@ class LMCachePeer:
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.metadata import LMCacheMetadata
 
+        from .engine import arena_bytes
+
         chunks, chunk_bytes = self.chunks, self.chunk_bytes
         hidden = chunk_bytes // (2 * CHUNK_TOKENS * 2)
         shape = torch.Size([2, 1, CHUNK_TOKENS, hidden])
@@ -152,7 +154,7 @@ class LMCachePeer:
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=CHUNK_TOKENS,
             local_cpu=True,
-            max_local_cpu_size=max(GiB, 20 * chunks * chunk_bytes) / GiB,
+            max_local_cpu_size=arena_bytes(chunks, chunk_bytes) / GiB,
             local_disk=f"file://{self._tmp.name}/",
             max_local_disk_size=64 * chunks * chunk_bytes / GiB,
             enable_async_loading=True,
