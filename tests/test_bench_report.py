@@ -33,6 +33,7 @@ def _system_result(**changes: Any) -> dict[str, Any]:
         "options": {"workers": 2, "transport": "ipc", "concurrency": 16},
         "miss_rtt_us": 100.0,
         "raw_rtt_us": 50.0,
+        "raw_rtt_first_us": 400.0,
         "miss_rtt_ratio": 2.0,
         "trio_echo_rtt_us": 70.0,
         "worker_rtt_us": 80.0,

@@ -114,12 +114,16 @@ def _measure_cancel(runtime: Any, n: int) -> list[float]:
     return result
 
 
-def echo_main(pull_endpoint: str, push_endpoint: str) -> None:
+def echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
+    """Echo every message from ``pull_endpoint`` (bound) to ``push_endpoint`` until
+    ``b"stop"``; ``ready`` (a multiprocessing event) is set once both sockets are set up."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(pull_endpoint)
     push = ctx.socket(zmq.PUSH)
     push.connect(push_endpoint)
+    if ready is not None:
+        ready.set()
     try:
         while True:
             msg = pull.recv()
@@ -132,7 +136,7 @@ def echo_main(pull_endpoint: str, push_endpoint: str) -> None:
         ctx.term()
 
 
-def trio_echo_main(pull_endpoint: str, push_endpoint: str) -> None:
+def trio_echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
     """The same echo on lmprefetch's Trio-native sockets: the floor for any Trio worker."""
     import trio
 
@@ -142,6 +146,8 @@ def trio_echo_main(pull_endpoint: str, push_endpoint: str) -> None:
         ctx = open_context()
         pull = TrioZmqSocket(make_pull(ctx, pull_endpoint, bind=True, hwm=1000))
         push = TrioZmqSocket(make_push(ctx, push_endpoint, bind=False, hwm=1000))
+        if ready is not None:
+            ready.set()
         try:
             while True:
                 for msg in await pull.recv_batch(64):

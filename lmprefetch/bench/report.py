@@ -86,7 +86,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['worker_rtt_us']:.1f} µs → through LookupClient {r['miss_rtt_us']:.1f} µs "
         f"(a thread blocked in wait() wakes after {r['miss_rtt_woken_us']:.1f} µs)",
         f"  first lookup after a worker starts {r['first_lookup_us']:9.1f} µs "
-        f"(a later one {r['miss_rtt_us']:.1f} µs)",
+        f"(a later one {r['miss_rtt_us']:.1f} µs; a raw pyzmq echo's first round trip on a "
+        f"new connection {r['raw_rtt_first_us']:.1f} µs, "
+        f"{r['raw_rtt_first_us'] / r['raw_rtt_us']:.1f}× its later ones)",
         f"  scheduler submit (128 chunks)   {r['submit_us']:9.2f} µs   (LMCache sleeps 10 000 µs)",
         f"  scheduler pending poll          {r['poll_us']:9.3f} µs   (LMCache sleeps 10 000 µs)",
         f"  full-miss lookups per worker    {r['miss_lookups_per_s_per_worker']:9.0f} /s",
