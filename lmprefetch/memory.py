@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import mmap
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["Arena", "Buffer", "DoubleReleaseError"]
@@ -111,6 +112,11 @@ class Buffer:
         return tensor[start : start + self.length]
 
     # -- ownership --------------------------------------------------------------------
+    @property
+    def arena(self) -> Arena:
+        """The arena this buffer is a slot of."""
+        return self._arena
+
     @property
     def owners(self) -> int:
         return self._owners
@@ -215,6 +221,34 @@ class Arena:
                 address = ctypes.addressof(ctypes.c_char.from_buffer(head))
                 _populate(address, n, may_write=self.used_slots == 0)
         return n
+
+    def retain_all(self, bufs: Iterable[Buffer]) -> None:
+        """:meth:`Buffer.retain` each of ``bufs`` (buffers of this arena), under one lock."""
+        with self._lock:
+            for buf in bufs:
+                if buf._arena is not self:
+                    raise ValueError(f"buffer {buf.index} belongs to another arena")
+                if buf._owners <= 0:
+                    raise DoubleReleaseError(f"retain of released buffer {buf.index}")
+                buf._owners += 1
+
+    def release_all(self, bufs: Iterable[Buffer]) -> None:
+        """:meth:`Buffer.release` each of ``bufs`` (buffers of this arena) in order, under one
+        lock.  A buffer released more often than owned raises :class:`DoubleReleaseError`
+        there, with the buffers before it released, as a loop of ``release`` calls would."""
+        free = self._free
+        with self._lock:
+            for buf in bufs:
+                if buf._arena is not self:
+                    raise ValueError(f"buffer {buf.index} belongs to another arena")
+                if buf._owners <= 0:
+                    raise DoubleReleaseError(
+                        f"buffer {buf.index} released more times than owned"
+                    )
+                buf._owners -= 1
+                if buf._owners == 0:
+                    buf.length = 0
+                    free.append(buf)
 
     @property
     def total_bytes(self) -> int:

@@ -114,3 +114,29 @@ def test_prefault_maps_the_first_slots_into_memory_now() -> None:
         assert arena.prefault(0) == 0
     finally:
         arena.close()
+
+
+def test_retain_all_and_release_all_count_like_one_call_per_buffer() -> None:
+    arena = Arena(16, 4)
+    a, b, c = arena.allocate_many(3)
+    arena.retain_all([a, b])
+    assert (a.owners, b.owners, c.owners) == (2, 2, 1)
+    arena.release_all([a, b, c])
+    assert (a.owners, b.owners, c.owners) == (1, 1, 0)
+    assert arena.free_slots == 2  # c went back, a and b still have an owner
+    # A double release is loud at the buffer it happens to, the ones before it released.
+    with pytest.raises(DoubleReleaseError):
+        arena.release_all([a, c, b])
+    assert (a.owners, b.owners) == (0, 1)
+    with pytest.raises(DoubleReleaseError):
+        arena.retain_all([c])
+    other = Arena(16, 1)
+    (d,) = other.allocate_many(1)
+    with pytest.raises(ValueError, match="another arena"):
+        arena.release_all([d])
+    with pytest.raises(ValueError, match="another arena"):
+        arena.retain_all([d])
+    assert d.owners == 1
+    b.release()
+    d.release()
+    assert arena.free_slots == 4 and other.free_slots == 1
