@@ -188,6 +188,11 @@ class DiskTier(BaseTier):
     def _file_path(self, key: ChunkKey) -> str:
         return os.path.join(self.path, key.to_string() + chunkfile.FILE_SUFFIX)
 
+    def _path_and_name(self, key: ChunkKey) -> tuple[str, bytes]:
+        """The key's file path and its key string (as the header holds it), built once."""
+        name = key.to_string()
+        return os.path.join(self.path, name + chunkfile.FILE_SUFFIX), name.encode()
+
     async def _rebuild_index(self) -> None:
         """Create the directory and index the chunk files already in it (oldest first)."""
         found, foreign, stale = await trio.to_thread.run_sync(
@@ -253,8 +258,7 @@ class DiskTier(BaseTier):
             return 0
         with contextlib.ExitStack() as slots:  # released once no thread can touch them
             run = _LoadRun([
-                (self._file_path(key), key.to_string().encode(),
-                 slots.enter_context(buf.slot()))
+                (*self._path_and_name(key), slots.enter_context(buf.slot()))
                 for key, buf in zip(keys[:indexed], buffers, strict=False)
             ])
             readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
