@@ -12,10 +12,18 @@ Pure functions of their arguments: nothing here does I/O or awaits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 from urllib.parse import quote, unquote
 
 __all__ = ["ChunkKey", "KeyMaker"]
+
+
+@lru_cache(maxsize=64)
+def _quoted(model_name: str) -> str:
+    # A process serves a handful of model names; percent-encoding one is most of the cost of
+    # a key string, which the disk tier builds for every chunk it reads.
+    return quote(model_name, safe="")
 
 
 class ChunkKey(NamedTuple):
@@ -31,7 +39,7 @@ class ChunkKey(NamedTuple):
     def to_string(self) -> str:
         """``model@world_size@rank@hash16hex@dtype[@Llayer]``; ``/`` and ``%`` in the model
         name are percent-encoded so the string is a valid file name."""
-        model = quote(self.model_name, safe="")
+        model = _quoted(self.model_name)
         base = f"{model}@{self.world_size}@{self.rank}@{self.chunk_hash:016x}@{self.kv_dtype}"
         return base if self.layer < 0 else f"{base}@L{self.layer}"
 

@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
+from itertools import accumulate
 from typing import Any, Literal, cast
 
 import trio
@@ -55,6 +56,10 @@ AnswerCallback = Callable[[int], None]
 #: The expiry heap is compacted when it holds twice this many entries (or twice the number of
 #: results it held after the last compaction, if more).
 _EXPIRIES_COMPACT_MIN = 1024
+
+#: An arena pre-fault this small runs on the Trio thread (a few hundred pages, well under a
+#: millisecond): a thread hop would cost more.
+_PREFAULT_INLINE_BYTES = 1 << 20
 
 
 class LookupState(enum.Enum):
@@ -186,8 +191,8 @@ class _Lookup:
         """Release every buffer this record owns, at once (synchronous, idempotent); the
         lookup is DONE unless it was claimed."""
         loaded, self.loaded = self.loaded, []
-        for _, buf in loaded:
-            buf.release()
+        if loaded:
+            loaded[0][1].arena.release_all([buf for _, buf in loaded])
         if self.state is not LookupState.CLAIMED:
             self.state = LookupState.DONE
 
@@ -244,6 +249,7 @@ class Engine:
         self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
             (t, isinstance(t, ZeroCopyTier)) for t in self.tiers
         )
+        self._other_tiers = tuple(t for t in self.tiers if t is not cpu)
         self._write_behind: tuple[WriteBehindTier, ...] = tuple(
             t for t in self.tiers if isinstance(t, WriteBehindTier)
         )
@@ -322,7 +328,7 @@ class Engine:
         if (
             len(offsets) != n_chunks
             or not 0 <= skip_chunks <= n_chunks
-            or any(o <= 0 for o in offsets)
+            or (n_chunks and min(offsets) <= 0)
         ):
             self.counters["malformed_requests"] += 1
             self._answer_now(lookup_id, on_answer, 0, started)
@@ -336,9 +342,7 @@ class Engine:
             self.counters["deadline_expired"] += 1
             self._answer_now(lookup_id, on_answer, 0, started)
             return None
-        cum = [0]
-        for o in offsets:
-            cum.append(cum[-1] + o)
+        cum = [0, *accumulate(offsets)]
         if skip_chunks == n_chunks:
             self._answer_now(lookup_id, on_answer, cum[n_chunks], started)
             return None
@@ -378,18 +382,24 @@ class Engine:
         """
         cpu, kpc, n_chunks = self.cpu, self._kpc, len(hashes)
         first_key = self.keys.first_key
+        firsts: list[ChunkKey] = []  # the first key of each chunk the CPU tier holds
         hit = skip_chunks
-        while hit < n_chunks and cpu.contains_now(first_key(hashes[hit])):
-            hit += 1
-        if hit < n_chunks:
+        while hit < n_chunks:
             nxt = first_key(hashes[hit])
-            if any(t.contains_now(nxt) is not False for t in self.tiers if t is not cpu):
-                return False
+            if not cpu.contains_now(nxt):
+                # Can a tier after the CPU tier go on from here?  (None: it cannot tell.)
+                for tier in self._other_tiers:
+                    if tier.contains_now(nxt) is not False:
+                        return False
+                break
+            firsts.append(nxt)
+            hit += 1
         if hit == skip_chunks:
             # A miss every tier can rule out without I/O: answer now, hold nothing.
             self._answer_now(lookup_id, on_answer, cum[skip_chunks], started)
             return None
-        keys = self.keys.keys(hashes[skip_chunks:hit])
+        # One key per chunk is its first key; layerwise chunks have a key per layer.
+        keys = firsts if kpc == 1 else self.keys.keys(hashes[skip_chunks:hit])
         buffers = cpu.acquire(keys)
         whole = len(buffers) // kpc * kpc
         for buf in buffers[whole:]:
@@ -643,8 +653,8 @@ class Engine:
         try:
             yield items
         finally:
-            for _, buf in items:
-                buf.release()
+            if items:
+                self.arena.release_all([buf for _, buf in items])
 
     def cancel(self, lookup_id: str, *, seq: int | None = None) -> None:
         """Cancel a lookup and release what it owns (synchronous, idempotent).
@@ -1049,6 +1059,16 @@ async def open_engine(
     cpu = CpuTier(arena)
     tiers: list[Tier] = [cpu]
     try:
+        prefault = min(config.arena_prefault_bytes, arena.total_bytes)
+        if prefault > _PREFAULT_INLINE_BYTES:
+            t0 = trio.current_time()
+            done = await trio.to_thread.run_sync(arena.prefault, prefault)
+            log.info(
+                "arena: %d of %d bytes pre-faulted in %.3f s",
+                done, arena.total_bytes, trio.current_time() - t0,
+            )  # fmt: skip
+        elif prefault:  # a few pages: less than a thread hop costs
+            arena.prefault(prefault)
         async with AsyncExitStack() as stack:
             if config.disk_path is not None:
                 from .tiers.disk import open_disk_tier

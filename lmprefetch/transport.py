@@ -133,6 +133,14 @@ def close_context(
         ctx.destroy(linger=0)
 
 
+#: How often (ms) a connecting ``ipc://`` socket retries a peer that is not there yet (libzmq's
+#: default is 100 ms).  A worker that starts before its scheduler binds the answer endpoint, or a
+#: client that starts before its worker, would otherwise hold its first message for up to
+#: 100 ms; a failed connect to a local socket costs a few microseconds.  ``tcp://`` keeps
+#: libzmq's default (a retry there is a packet to another host).
+IPC_RECONNECT_IVL_MS = 10
+
+
 def _make_socket(
     ctx: zmq.Context[Any],
     kind: int,
@@ -141,6 +149,7 @@ def _make_socket(
     bind: bool,
     hwm: int,
     max_message_bytes: int = -1,
+    immediate: bool = False,
 ) -> zmq.Socket[bytes]:
     check_endpoint(endpoint)
     if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
@@ -154,6 +163,10 @@ def _make_socket(
         # A peer that sends a larger frame is disconnected by libzmq before the frame is
         # buffered, so one hostile frame cannot make us allocate without bound.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if immediate:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        if not bind and endpoint.startswith("ipc://"):
+            sock.setsockopt(zmq.RECONNECT_IVL, IPC_RECONNECT_IVL_MS)
         if bind:
             sock.bind(endpoint)
         else:
@@ -165,17 +178,23 @@ def _make_socket(
     return sock
 
 
-def make_push(ctx: zmq.Context[Any], endpoint: str, *, bind: bool, hwm: int) -> zmq.Socket[bytes]:
+def make_push(
+    ctx: zmq.Context[Any], endpoint: str, *, bind: bool, hwm: int, immediate: bool = False
+) -> zmq.Socket[bytes]:
     """A PUSH socket on ``endpoint`` with ``linger=0`` and ``SNDHWM = RCVHWM = hwm``.
 
     Returns the plain ``zmq.Socket``; wrap it in :class:`TrioZmqSocket` to use it from Trio.
-    After binding to port 0, ``sock.LAST_ENDPOINT`` tells the port chosen.
+    After binding to port 0, ``sock.LAST_ENDPOINT`` tells the port chosen.  A connecting
+    ``ipc://`` socket retries a missing peer every :data:`IPC_RECONNECT_IVL_MS`.  With
+    ``immediate`` (``ZMQ_IMMEDIATE``) nothing is queued until a connection is complete: a send
+    before that would block (``send_nowait`` raises :class:`trio.WouldBlock`) instead of
+    filling a pipe to a peer that is not there yet.
 
     Raises:
         ValueError: ``endpoint`` fails :func:`check_endpoint`, or ``hwm`` is negative.
         zmq.ZMQError: binding or connecting failed (e.g. the address is in use).
     """
-    return _make_socket(ctx, zmq.PUSH, endpoint, bind=bind, hwm=hwm)
+    return _make_socket(ctx, zmq.PUSH, endpoint, bind=bind, hwm=hwm, immediate=immediate)
 
 
 def make_pull(

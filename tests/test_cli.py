@@ -116,6 +116,14 @@ def test_bench_runs_small_and_reports_json(tmp_path: Path) -> None:
     assert 0 < r["replay"]["hit_ratio"] <= 1
     assert r["raw_rtt_us"] > 0 and r["miss_rtt_us"] > 0
     assert r["miss_lookups_per_s_per_worker"] > 0
+    assert r["cancel_samples"] > 0
+    assert r["cancel_release_ms_p50"] <= r["cancel_release_ms_p99"] <= r["cancel_release_ms_max"]
+    # Each figure with a goal comes with it, and says whether it met it.
+    assert {g["key"] for g in r["goals"]} >= {
+        "miss_rtt_ratio", "first_lookup_ratio", "disk_prefetch_vs_verified_read",
+        "cancel_release_ms_max",
+    }  # fmt: skip
+    assert all(isinstance(g["met"], bool) for g in r["goals"])
 
 
 @pytest.mark.slow
@@ -175,3 +183,6 @@ def test_bench_engine_small() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     r = json.loads(out.stdout)
     assert r["idle_after"] is True and r["disk_chunks_loaded"] > 0
+    assert [g["key"] for g in r["goals"]][-1] == "cold_first_disk_vs_steady"
+    if r["lmcache"] is None:  # not installed: no LMCache figure, and no goal against it
+        assert not any("lmcache" in g["key"] for g in r["goals"])

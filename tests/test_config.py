@@ -20,6 +20,7 @@ def test_defaults_are_a_working_cpu_only_setup() -> None:
     assert c.lookup_timeout_s == 3.0 and c.claim_ttl_s == 30.0
     assert c.hash_algorithm == "blake2b"
     assert c.keys_per_chunk == 1 and c.arena_slots == 512
+    assert c.arena_prefault_bytes == 1 << 30  # the whole default arena
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,7 @@ def test_defaults_are_a_working_cpu_only_setup() -> None:
         ("model_name", "a@b"),
         ("buffer_backend", "cuda"),
         ("disk_read_threads", 0),
+        ("arena_prefault_bytes", -1),
         ("save_partial_chunks", "maybe"),
         ("kv_events", "sometimes"),
         ("kv_events_max_pending", 0),
@@ -100,6 +102,7 @@ def test_replace_validates() -> None:
     ("field", "value"),
     [
         ("cpu_bytes", 99999999999999999999),
+        ("arena_prefault_bytes", 1 << 49),
         ("chunk_size", 1 << 40),
         ("disk_bytes", 1 << 70),
         ("socket_hwm", 1 << 31),

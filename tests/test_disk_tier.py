@@ -549,10 +549,10 @@ async def test_d13_chunks_read_past_a_miss_by_other_threads_are_not_counted(
             read_past_the_hole = threading.Event()
             real_read = tier._read_chunk
 
-            def read(path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
+            def read(path: str, key_bytes: bytes, slot: memoryview, *check: Any) -> Any:
                 if paths[path] == 5:
                     assert read_past_the_hole.wait(TIMEOUT_S)
-                result = real_read(path, key_bytes, slot)
+                result = real_read(path, key_bytes, slot, *check)
                 if paths[path] > 5:
                     read_past_the_hole.set()
                 return result
@@ -588,14 +588,16 @@ async def test_d04_cancelled_load_starts_no_more_reads_and_counts_nothing(
                 scope.cancel()
                 cancel_delivered.set()
 
-            def read_then_cancel(path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
+            def read_then_cancel(path: str, key_bytes: bytes, slot: memoryview, *check: Any) -> Any:
                 with lock:
                     first = not started
                     started.append(path)
                 if not first:  # the other reads in flight finish only after the cancel
                     cancel_delivered.wait(TIMEOUT_S)
-                result = real_read(path, key_bytes, slot)
-                finished.append(path)
+                try:
+                    result = real_read(path, key_bytes, slot, *check)
+                finally:  # (a read cut short between its pieces by the cancel ends too)
+                    finished.append(path)
                 if first:  # the first chunk is in: cancel the load
                     trio.from_thread.run_sync(cancel_load)
                 return result
@@ -636,7 +638,7 @@ async def test_a_bug_in_a_read_propagates_and_stops_the_load(
             await store(tier, arena, range(10), size=100)
             reads: list[str] = []
 
-            def broken_read(path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
+            def broken_read(path: str, key_bytes: bytes, slot: memoryview, *_: Any) -> Any:
                 reads.append(path)
                 raise ValueError("a bug")
 
@@ -871,3 +873,88 @@ async def test_file_operations_never_run_on_the_trio_thread(
     } <= used
     on_trio_thread = [name for name, thread in spy.calls if thread == trio_thread]
     assert on_trio_thread == []
+
+
+# -- reads in pieces -------------------------------------------------------------------------
+@pytest.mark.parametrize("o_direct", [False, True])
+async def test_chunks_are_read_and_verified_piece_by_piece(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch, o_direct: bool
+) -> None:
+    """A chunk larger than a piece is read in several reads, each piece hashed as it lands;
+    the bytes are exact for every size around the piece boundaries, and damage in the last
+    piece is still caught."""
+    monkeypatch.setattr(chunkfile, "PIECE_BYTES", 4096)
+    reads: list[int] = []
+    real_read_into = chunkfile._read_into
+
+    def counting(fd: int, views: Any, expected: int, offset: int = 0) -> int:
+        reads.append(expected)
+        return real_read_into(fd, views, expected, offset)
+
+    monkeypatch.setattr(chunkfile, "_read_into", counting)
+    sizes = [SLOT_BYTES, 12289, 8192, 5000, 4096, 4095, 1, 0]
+    keys = [key(h) for h in range(len(sizes))]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, o_direct=o_direct) as tier:
+            for h, size in enumerate(sizes):
+                enqueue(tier, arena, h, payload(h, size))
+            await tier.flush()
+            assert await load(tier, arena, keys) == [payload(h, s) for h, s in enumerate(sizes)]
+            # At least one read per piece (a SLOT_BYTES chunk is 4 pieces).
+            assert len(reads) >= sum(max(1, -(-s // 4096)) for s in sizes)
+            path = file_of(tmp_path, key(0))
+            raw = bytearray(await path.read_bytes())
+            raw[-1] ^= 0x01  # the last byte of the last piece
+            await path.write_bytes(bytes(raw))
+            assert await load(tier, arena, keys) == []
+            assert not await path.exists() and tier.corrupt_files_removed == 1
+
+
+@pytest.mark.parametrize("read_threads", [1, 3])
+async def test_a_cancel_stops_a_chunk_read_between_its_pieces(
+    tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch, read_threads: int
+) -> None:
+    """The unit of work a cancel waits for is one piece, not one chunk: a read that is
+    under way when the load is cancelled stops after the piece it is reading (the threads
+    write into the load's buffers, so they are waited for, but not for a whole chunk)."""
+    monkeypatch.setattr(chunkfile, "PIECE_BYTES", 4096)  # a SLOT_BYTES chunk: 4 pieces
+    keys = [key(h) for h in range(12)]
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path, read_threads=read_threads) as tier:
+            await store(tier, arena, range(12))
+            real_read_into = chunkfile._read_into
+            pieces: list[int] = []
+            lock = threading.Lock()
+            cancel_delivered = threading.Event()
+
+            def cancel_load() -> None:  # runs on the Trio thread
+                scope.cancel()
+                cancel_delivered.set()
+
+            def read_piece(fd: int, views: Any, expected: int, offset: int = 0) -> int:
+                with lock:
+                    first = not pieces
+                    pieces.append(offset)
+                if not first:  # other threads' pieces wait for the cancel
+                    cancel_delivered.wait(TIMEOUT_S)
+                got = real_read_into(fd, views, expected, offset)
+                if first:  # the first piece is in: cancel the load
+                    trio.from_thread.run_sync(cancel_load)
+                return got
+
+            monkeypatch.setattr(chunkfile, "_read_into", read_piece)
+            bufs = arena.allocate_many(len(keys))
+            try:
+                with trio.CancelScope() as scope:
+                    await tier.load(keys, bufs)
+            finally:
+                for b in bufs:
+                    b.release()
+            assert scope.cancelled_caught
+            # Each read under way finished its current piece and stopped: one piece per
+            # thread at most, where finishing the chunk would have taken four.
+            assert 1 <= len(pieces) <= read_threads
+            assert pieces == [0] * len(pieces)  # first pieces only
+            assert tier.stats.chunks_loaded == 0 and len(tier) == 12
+            monkeypatch.undo()
+            assert len(await load(tier, arena, keys)) == 12

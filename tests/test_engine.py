@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from lmprefetch.prefetch import LookupState
 from lmprefetch.tiers.disk import DiskTier
 
 from .fakes import FakeTier
+from .test_memory import _resident_bytes
 
 CHUNK = 4  # tokens per chunk in small_config
 
@@ -868,3 +870,19 @@ async def test_claimed_and_cancelled_cpu_hits_do_not_pile_up_in_the_expiry_heap(
                 assert len(chunks) == 2
         await engine.wait_quiet()
         assert_conserved(engine)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping: Linux")
+@pytest.mark.parametrize("prefault_slots", [0, 3, 40, 64])
+async def test_open_engine_prefaults_the_configured_part_of_the_arena(prefault_slots: int) -> None:
+    """``arena_prefault_bytes`` of the arena (whole slots, from the first) is in memory once
+    the engine is open; the rest is mapped on first use.  Large amounts go to a thread."""
+    slot = 64 * 1024
+    config = PrefetchConfig(
+        chunk_size=CHUNK,
+        chunk_bytes=slot,
+        cpu_bytes=slot * 48,
+        arena_prefault_bytes=prefault_slots * slot,
+    )
+    async with open_engine(config) as engine:
+        assert _resident_bytes(engine.arena) == min(prefault_slots, 48) * slot

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -78,3 +79,64 @@ def test_release_from_many_threads() -> None:
     for t in threads:
         t.join()
     assert arena.free_slots == 64
+
+
+def _resident_bytes(arena: Arena) -> int:
+    """Bytes of the arena that are in memory now (``mincore``, page by page)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-arena.total_bytes // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    view = arena._view
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert libc.mincore(address, arena.total_bytes, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping: Linux")
+def test_prefault_maps_the_first_slots_into_memory_now() -> None:
+    slot = 64 * 1024
+    arena = Arena(slot, 32)
+    try:
+        assert _resident_bytes(arena) == 0  # anonymous memory: nothing mapped until used
+        # Whole slots, from the first: the ones allocate() hands out first.
+        assert arena.prefault(10 * slot + 1) == 11 * slot
+        assert _resident_bytes(arena) == 11 * slot
+        first = arena.allocate()
+        assert first is not None and first.index == 0
+        first.release()
+        assert arena.prefault(1 << 40) == arena.total_bytes  # capped at the arena
+        assert _resident_bytes(arena) == arena.total_bytes
+        assert arena.prefault(0) == 0
+    finally:
+        arena.close()
+
+
+def test_retain_all_and_release_all_count_like_one_call_per_buffer() -> None:
+    arena = Arena(16, 4)
+    a, b, c = arena.allocate_many(3)
+    arena.retain_all([a, b])
+    assert (a.owners, b.owners, c.owners) == (2, 2, 1)
+    arena.release_all([a, b, c])
+    assert (a.owners, b.owners, c.owners) == (1, 1, 0)
+    assert arena.free_slots == 2  # c went back, a and b still have an owner
+    # A double release is loud at the buffer it happens to, the ones before it released.
+    with pytest.raises(DoubleReleaseError):
+        arena.release_all([a, c, b])
+    assert (a.owners, b.owners) == (0, 1)
+    with pytest.raises(DoubleReleaseError):
+        arena.retain_all([c])
+    other = Arena(16, 1)
+    (d,) = other.allocate_many(1)
+    with pytest.raises(ValueError, match="another arena"):
+        arena.release_all([d])
+    with pytest.raises(ValueError, match="another arena"):
+        arena.retain_all([d])
+    assert d.owners == 1
+    b.release()
+    d.release()
+    assert arena.free_slots == 4 and other.free_slots == 1

@@ -18,7 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmprefetch import Engine, PrefetchConfig, open_engine, serve_lookups
+from lmprefetch import Engine, PrefetchConfig, open_engine, serve_lookups, transport
 from lmprefetch.protocol import (
     LookupCleanupMsg,
     LookupRequestMsg,
@@ -291,3 +291,49 @@ def test_fuzzed_messages_never_stop_the_worker(garbage: list[bytes]) -> None:
                 assert engine.is_idle()
 
     trio.run(main)
+
+
+async def test_a_worker_whose_scheduler_came_back_answers_without_waiting_for_a_reconnect(
+    config: PrefetchConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's answer socket that is not connected retries the connection the moment an
+    answer is ready (a request came, so a scheduler is there), instead of at libzmq's next
+    reconnect: here that would be an hour away, so the answer could only come from the
+    retry.  Nothing is lost meanwhile: the answer waits in the outbox, not in a dead pipe."""
+    monkeypatch.setattr(transport, "IPC_RECONNECT_IVL_MS", 3_600_000)
+    tag = uuid.uuid4().hex[:10]
+    req, resp = f"ipc://@lmp-test-{tag}-req", f"ipc://@lmp-test-{tag}-resp"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    early = ctx.socket(zmq.PULL)
+    early.linger = 0
+    accepted = early.get_monitor_socket(zmq.EVENT_ACCEPTED)
+    early.bind(resp)
+    monitors = [accepted]
+
+    def wait_event(monitor: zmq.Socket[bytes]) -> None:
+        if not monitor.poll(20_000):
+            raise TimeoutError("no socket event")
+        monitor.recv_multipart()
+
+    try:
+        with trio.fail_after(30):
+            async with open_engine(config) as engine, serve_lookups(engine, req, resp) as server:
+                await trio.to_thread.run_sync(wait_event, accepted)  # the worker reached it
+                dropped = server._answers.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                monitors.append(dropped)
+                early.close()  # the scheduler goes away: libzmq would retry in an hour
+                await trio.to_thread.run_sync(wait_event, dropped)
+                peer = Peer(req, resp)  # a scheduler binds the endpoint again and asks
+                try:
+                    peer.request("first", [1, 2])
+                    got = await peer.answer(timeout_s=20)
+                    assert (got.lookup_id, got.num_hit_tokens) == ("first", 0)
+                    stats = server.stats()
+                    assert stats["answers_waited"] == 1 and stats["answers_sent"] == 1
+                finally:
+                    peer.close()
+    finally:
+        for monitor in monitors:
+            monitor.close(0)
+        early.close(0)
+        ctx.term()

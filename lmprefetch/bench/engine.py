@@ -1,11 +1,22 @@
 """``lmprefetch bench-engine``: the prefetch engine alone, 16 chunks × 2 MiB per lookup.
 
-Measures lookup + prefetch latency (median over repeats) for a CPU hit, a disk hit (files in
-the page cache), a full miss, and 8 concurrent disk lookups, each printed beside the physical
-limit measured in the same run: the time plain ``readinto`` takes to read the same files, and
-for the CPU hit and the miss the time of an empty Trio checkpoint round.  LMCache 0.5.6's
-figures for the same workload, measured on this kind of machine, are printed for reference
-(``nox -s lmcache`` runs ``examples/bench_lmcache_peer.py``, which measures both side by side).
+Measures lookup + prefetch + release latency for a CPU hit, a disk hit (files in the page
+cache), a full miss, and 8 concurrent disk lookups of 8 different prompts, each beside the
+physical limit measured in the same run: the time a plain ``preadv`` (and ``preadv`` + xxh3, the
+check a verified read must make) of the same files takes, and for the CPU hit and the miss an
+empty Trio checkpoint round.
+
+It also opens a *fresh* engine on a disk tier written earlier (the files in the page cache) and
+times its first disk lookup against the steady state, and how long opening the engine took.
+
+LMCache: when ``lmcache`` is importable (``--lmcache auto``, the default) the same workload runs
+on a real LMCache 0.5.6 engine in this process (:mod:`.lmcache_peer`), one LMCache sample beside
+each lmprefetch sample, so both see the same machine; the ratios are per pair.  Without it no
+LMCache figure is printed: a peer's figure from another run is no comparison.
+
+Every figure that has a goal is printed with it and marked ``✓`` or ``✗ MISSED`` (and
+``--json`` carries ``goals``).  Timings are medians over ``--repeats``; the ratios are medians
+of per-sample ratios, with their interquartile range.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +37,32 @@ import xxhash
 
 from ..config import PrefetchConfig
 from ..prefetch import Engine, open_engine
+from .goals import Goal
 
-__all__ = ["main", "run"]
+__all__ = ["CASES", "LMCACHE_GOALS", "main", "run"]
 
 MiB = 1024 * 1024
 
-#: LMCache 0.5.6 measured on this kind of machine (2 cores) by ``examples/bench_lmcache_peer.py``
-#: (``nox -s lmcache``): a real ``LMCacheEngine`` with async loading, CPU and disk backends,
-#: the same 16 × 2 MiB workload, median of 50 (µs).  That script measures both engines in one
-#: run; these figures only put a single-engine run in context.
-LMCACHE_REFERENCE_US = {"cpu_hit": 470.0, "disk_hit": 9383.0, "miss": 152.0, "disk_x8": 79168.0}
+#: The cases, in the order they are measured and printed.
+CASES = (
+    ("cpu_hit", "CPU hit"),
+    ("miss", "full miss"),
+    ("disk_hit", "disk hit (page cache)"),
+    ("disk_x8", "8 concurrent disk lookups"),
+)
+#: lmprefetch ÷ LMCache (same run, per pair) must be at most this.
+LMCACHE_GOALS = {"cpu_hit": 0.3, "miss": 0.3, "disk_hit": 0.6, "disk_x8": 0.6}
+#: A fresh engine's first disk lookup ÷ the steady-state disk lookup must be at most this.
+COLD_GOAL = 2.0
+#: Fresh engines opened for the cold-start figure (the median of their first lookups).
+COLD_ENGINES = 3
+CHUNK_TOKENS = 256
+
+
+def arena_bytes(chunks: int, chunk_bytes: int) -> int:
+    """The CPU tier / arena size of the benchmark (LMCache's CPU backend gets the same): room
+    for 20 prompts, at least 64 MiB."""
+    return max(64 * MiB, 20 * chunks * chunk_bytes)
 
 
 def _prompt(i: int, n_chunks: int, chunk_size: int) -> list[int]:
@@ -48,7 +76,7 @@ async def _lookup_and_release(engine: Engine, lid: str, hashes: list[int], offs:
     return n
 
 
-def _raw_read_s(files: list[Path], slots: list[memoryview], verify: bool = False) -> float:
+def _raw_read_s(files: Sequence[Path], slots: list[memoryview], verify: bool = False) -> float:
     """Read whole files with ``preadv``, file ``i`` into page-aligned slot ``i`` (a prefetch
     needs one destination per chunk; a misaligned destination such as a ``bytearray`` reads
     several times slower here).  With ``verify``, also hash each one with xxh3, the check
@@ -65,56 +93,109 @@ def _raw_read_s(files: list[Path], slots: list[memoryview], verify: bool = False
     return time.perf_counter() - t0
 
 
-async def _run(chunks: int, chunk_bytes: int, repeats: int, tmp: str) -> dict[str, Any]:
-    chunk_size = 256
+def _median_us(xs: Sequence[float]) -> float:
+    return statistics.median(xs) * 1e6
+
+
+def _ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """Median and interquartile range of per-pair ratios ``num[i] / den[i]``."""
+    ratios = sorted(a / b for a, b in zip(num, den) if b > 0)
+    if len(ratios) < 2:
+        r = ratios[0] if ratios else float("nan")
+        return {"median": r, "p25": r, "p75": r}
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"median": statistics.median(ratios), "p25": q[0], "p75": q[2]}
+
+
+async def _store_prompts(config: PrefetchConfig, prompts: list[list[int]], payload: bytes) -> None:
+    """Write the prompts' chunks to the disk tier (and flush), with an engine of its own."""
+    async with open_engine(config) as engine:
+        for hashes in prompts:
+            await engine.store_hashes(hashes, [h.to_bytes(8, "big") + payload[8:] for h in hashes])
+        await engine.flush()
+
+
+async def _run(
+    chunks: int, chunk_bytes: int, repeats: int, tmp: str, peer: Any | None
+) -> dict[str, Any]:
+    chunk_size = CHUNK_TOKENS
     config = PrefetchConfig(
         chunk_size=chunk_size,
         chunk_bytes=chunk_bytes,
-        cpu_bytes=max(1024 * MiB, 20 * chunks * chunk_bytes),
+        cpu_bytes=arena_bytes(chunks, chunk_bytes),
         disk_path=tmp,
         disk_bytes=64 * chunks * chunk_bytes,
         disk_read_threads=4,
     )
     offs = [chunk_size] * chunks
     payload = os.urandom(chunk_bytes)
-    out: dict[str, Any] = {"chunks": chunks, "chunk_bytes": chunk_bytes, "repeats": repeats}
+    x8_repeats = max(3, repeats // 5)
+    out: dict[str, Any] = {
+        "chunks": chunks,
+        "chunk_bytes": chunk_bytes,
+        "repeats": repeats,
+        "x8_repeats": x8_repeats,
+        "arena_prefault_bytes": min(config.arena_prefault_bytes, config.cpu_bytes),
+        "cpu_bytes": config.cpu_bytes,
+    }
+    from ..hashing import ChunkHasher
+
+    hasher = ChunkHasher(chunk_size, config.hash_algorithm)
+    prompts = [hasher.hash(_prompt(i, chunks, chunk_size)) for i in range(9)]
+    await _store_prompts(config, prompts, payload)
+    ours: dict[str, list[float]] = {case: [] for case, _ in CASES}
+    theirs: dict[str, list[float]] = {case: [] for case, _ in CASES}
+
+    async def peer_sample(case: str) -> None:
+        if peer is not None:
+            theirs[case].append(await trio.to_thread.run_sync(peer.sample, case))
+
+    async def timed(fn: Callable[..., Awaitable[Any]], *args: Any) -> float:
+        t0 = time.perf_counter()
+        await fn(*args)
+        return time.perf_counter() - t0
+
+    async def pair(case: str, i: int, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        # Alternate who goes first, so neither always runs right after the other.
+        if i % 2:
+            await peer_sample(case)
+        ours[case].append(await timed(fn, *args))
+        if not i % 2:
+            await peer_sample(case)
+
+    # Fresh engines on the disk tier written above: how long one takes to open (arena
+    # pre-faulting included), and its first disk lookup (the arena and the read threads never
+    # used) against the steady state.  A single first lookup is one sample, so three engines.
+    opens, colds = [], []
+    for k in range(COLD_ENGINES):
+        t0 = time.perf_counter()
+        async with open_engine(config) as engine:
+            opens.append(time.perf_counter() - t0)
+            colds.append(await timed(_lookup_and_release, engine, f"cold{k}", prompts[1], offs))
+    out["engine_open_ms"] = statistics.median(opens) * 1e3
+    out["cold_first_disk_us"] = _median_us(colds)
+    out["cold_first_disk_all_us"] = [c * 1e6 for c in colds]
     async with open_engine(config) as engine:
-        prompts = [engine.hasher.hash(_prompt(i, chunks, chunk_size)) for i in range(9)]
-        for hashes in prompts:
-            await engine.store_hashes(hashes, [h.to_bytes(8, "big") + payload[8:] for h in hashes])
-        await engine.flush()
+        # Prompt 0 goes to the CPU tier; 1..8 stay on disk only.
+        await engine.store_hashes(
+            prompts[0], [h.to_bytes(8, "big") + payload[8:] for h in prompts[0]]
+        )
+        disk = next(t for t in engine.tiers if t.name == "disk")
 
-        async def timed(fn: Any, *args: Any) -> float:
-            t0 = time.perf_counter()
-            await fn(*args)
-            return time.perf_counter() - t0
-
-        # CPU hit (prompt 0 stays in the CPU tier)
-        samples = [
-            await timed(_lookup_and_release, engine, f"c{i}", prompts[0], offs)
-            for i in range(repeats)
-        ]
-        out["cpu_hit_us"] = statistics.median(samples) * 1e6
+        for i in range(repeats):
+            await pair("cpu_hit", i, _lookup_and_release, engine, f"c{i}", prompts[0], offs)
 
         async def checkpoint_round() -> None:
             await trio.lowlevel.checkpoint()
 
-        out["trio_checkpoint_us"] = (
-            statistics.median([await timed(checkpoint_round) for _ in range(repeats)]) * 1e6
+        out["trio_checkpoint_us"] = _median_us(
+            [await timed(checkpoint_round) for _ in range(repeats)]
         )
 
-        # Miss
-        miss = engine.hasher.hash(_prompt(99, chunks, chunk_size))
-        samples = [
-            await timed(_lookup_and_release, engine, f"m{i}", miss, offs) for i in range(repeats)
-        ]
-        out["miss_us"] = statistics.median(samples) * 1e6
+        miss = hasher.hash(_prompt(99, chunks, chunk_size))
+        for i in range(repeats):
+            await pair("miss", i, _lookup_and_release, engine, f"m{i}", miss, offs)
 
-        # Disk hits: drop prompts 1..8 from the CPU tier; the disk tier has them.
-        for hashes in prompts[1:]:
-            for key in engine.keys.keys(hashes):
-                engine.cpu.discard(key)
-        disk = next(t for t in engine.tiers if t.name == "disk")
         files = {
             i: [Path(tmp) / f"{k.to_string()}.kv" for k in engine.keys.keys(prompts[i])]
             for i in range(1, 9)
@@ -123,88 +204,178 @@ async def _run(chunks: int, chunk_bytes: int, repeats: int, tmp: str) -> dict[st
         aligned = mmap.mmap(-1, slot_bytes * chunks)
         whole = memoryview(aligned)
         slots = [whole[i * slot_bytes : (i + 1) * slot_bytes] for i in range(chunks)]
-        for i in range(1, 9):  # warm the page cache
-            _raw_read_s(files[i], slots)
-        samples, raw, verified = [], [], []
-        for i in range(repeats):
-            samples.append(await timed(_lookup_and_release, engine, f"d{i}", prompts[1], offs))
-            raw.append(_raw_read_s(files[1], slots))
-            verified.append(_raw_read_s(files[1], slots, verify=True))
-        out["disk_hit_us"] = statistics.median(samples) * 1e6
-        out["raw_read_16_us"] = statistics.median(raw) * 1e6
-        out["raw_read_verified_16_us"] = statistics.median(verified) * 1e6
+        try:
+            for i in range(1, 9):  # warm the page cache
+                _raw_read_s(files[i], slots)
+            raw, verified = [], []
+            for i in range(repeats):
+                await pair("disk_hit", i, _lookup_and_release, engine, f"d{i}", prompts[1], offs)
+                raw.append(_raw_read_s(files[1], slots))
+                verified.append(_raw_read_s(files[1], slots, verify=True))
+            out["raw_read_16_us"] = _median_us(raw)
+            out["raw_read_verified_16_us"] = _median_us(verified)
+            out["disk_hit_vs_verified"] = _ratio_stats(ours["disk_hit"], verified)
 
-        async def eight() -> None:
-            async with trio.open_nursery() as nursery:
-                for i in range(1, 9):
-                    nursery.start_soon(_lookup_and_release, engine, f"x{i}", prompts[i], offs)
+            async def eight(tag: str) -> None:
+                async with trio.open_nursery() as nursery:
+                    for i in range(1, 9):
+                        nursery.start_soon(
+                            _lookup_and_release, engine, f"x{tag}-{i}", prompts[i], offs
+                        )
 
-        samples, raw, verified = [], [], []
-        for _ in range(max(3, repeats // 5)):
-            samples.append(await timed(eight))
-            raw.append(sum(_raw_read_s(files[i], slots) for i in range(1, 9)))
-            verified.append(sum(_raw_read_s(files[i], slots, verify=True) for i in range(1, 9)))
-        out["disk_x8_us"] = statistics.median(samples) * 1e6
-        out["raw_read_x8_us"] = statistics.median(raw) * 1e6
-        out["raw_read_verified_x8_us"] = statistics.median(verified) * 1e6
+            raw, verified = [], []
+            for i in range(x8_repeats):
+                await pair("disk_x8", i, eight, str(i))
+                raw.append(sum(_raw_read_s(files[j], slots) for j in range(1, 9)))
+                verified.append(sum(_raw_read_s(files[j], slots, verify=True) for j in range(1, 9)))
+            out["raw_read_x8_us"] = _median_us(raw)
+            out["raw_read_verified_x8_us"] = _median_us(verified)
+            out["disk_x8_vs_verified"] = _ratio_stats(ours["disk_x8"], verified)
+        finally:
+            for slot in slots:
+                slot.release()
+            whole.release()
+            aligned.close()
         out["disk_chunks_loaded"] = disk.stats.chunks_loaded
-        for slot in slots:
-            slot.release()
-        whole.release()
-        aligned.close()
         await engine.wait_quiet()
         out["idle_after"] = engine.is_idle()
+    for case, _ in CASES:
+        out[f"{case}_us"] = _median_us(ours[case])
+    out["cold_ratio"] = out["cold_first_disk_us"] / out["disk_hit_us"]
+    if peer is not None:
+        out["lmcache"] = {
+            "version": _lmcache_version(),
+            **{f"{case}_us": _median_us(theirs[case]) for case, _ in CASES},
+            "ratios": {case: _ratio_stats(ours[case], theirs[case]) for case, _ in CASES},
+            "answers_ok": peer.answers_ok,
+            "hit_tokens": {c: sorted(v) for c, v in peer.hit_tokens.items()},
+            "disk_metadata_pins_after": peer.disk_metadata_pins,
+        }
+    else:
+        out["lmcache"] = None
+    out["goals"] = [g.as_dict() for g in goals(out)]
     return out
 
 
-def run(chunks: int = 16, chunk_bytes: int = 2 * MiB, repeats: int = 50) -> dict[str, Any]:
+def _lmcache_version() -> str:
+    from importlib.metadata import version
+
+    return version("lmcache")
+
+
+def goals(r: dict[str, Any]) -> list[Goal]:
+    """The goals of a :func:`run` result (the LMCache ones only when LMCache was measured)."""
+    out: list[Goal] = []
+    lmc = r.get("lmcache")
+    if lmc:
+        for case, name in CASES:
+            out.append(
+                Goal(
+                    f"{case}_vs_lmcache",
+                    f"{name}, lmprefetch ÷ LMCache",
+                    lmc["ratios"][case]["median"],
+                    "<=",
+                    LMCACHE_GOALS[case],
+                    "×",
+                )
+            )
+    out.append(
+        Goal(
+            "cold_first_disk_vs_steady",
+            "a fresh engine's first disk lookup ÷ steady state",
+            r["cold_ratio"],
+            "<=",
+            COLD_GOAL,
+            "×",
+        )
+    )
+    return out
+
+
+def run(
+    chunks: int = 16,
+    chunk_bytes: int = 2 * MiB,
+    repeats: int = 50,
+    *,
+    lmcache: str = "auto",
+) -> dict[str, Any]:
+    """Run the benchmark.  ``lmcache``: ``auto`` (measure LMCache when importable), ``on``
+    (it must be; else ``ValueError``) or ``off``."""
+    from .lmcache_peer import LMCachePeer, lmcache_available
+
+    use_peer = lmcache != "off" and lmcache_available()
+    if lmcache == "on" and not use_peer:
+        raise ValueError("--lmcache on: lmcache is not importable (pip install lmcache==0.5.6)")
+    if use_peer and chunk_bytes % LMCachePeer.CHUNK_BYTES_MULTIPLE:
+        if lmcache == "on":
+            raise ValueError(
+                f"--chunk-bytes: LMCache needs a multiple of {LMCachePeer.CHUNK_BYTES_MULTIPLE}"
+            )
+        use_peer = False
     with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
-        return trio.run(_run, chunks, chunk_bytes, repeats, tmp)
+        if not use_peer:
+            return trio.run(_run, chunks, chunk_bytes, repeats, tmp, None)
+        with LMCachePeer(chunks, chunk_bytes) as peer:
+            return trio.run(_run, chunks, chunk_bytes, repeats, tmp, peer)
 
 
 def format_report(r: dict[str, Any]) -> str:
-    ref = LMCACHE_REFERENCE_US
     mb = r["chunks"] * r["chunk_bytes"] / MiB
-    rows = [
-        (
-            "CPU hit",
-            r["cpu_hit_us"],
-            "zero-copy; one trio checkpoint",
-            r["trio_checkpoint_us"],
-            ref["cpu_hit"],
-        ),
-        (
-            "disk hit (page cache)",
-            r["disk_hit_us"],
-            "raw read + xxh3 of the files",
-            r["raw_read_verified_16_us"],
-            ref["disk_hit"],
-        ),
-        ("full miss", r["miss_us"], "one trio checkpoint", r["trio_checkpoint_us"], ref["miss"]),
-        (
-            "8 concurrent disk lookups",
-            r["disk_x8_us"],
-            "raw read + xxh3 of the files",
-            r["raw_read_verified_x8_us"],
-            ref["disk_x8"],
-        ),
-    ]
+    lmc = r.get("lmcache")
+    limits = {
+        "cpu_hit": ("one trio checkpoint", r["trio_checkpoint_us"]),
+        "miss": ("one trio checkpoint", r["trio_checkpoint_us"]),
+        "disk_hit": ("raw read + xxh3", r["raw_read_verified_16_us"]),
+        "disk_x8": ("raw read + xxh3", r["raw_read_verified_x8_us"]),
+    }
+    head = (
+        f"  {'case':<27}{'lmprefetch':>12}   {'limit (same run)':>27}{'ratio':>8}"
+    )
+    if lmc:
+        head += f"   {'LMCache ' + lmc['version']:>14}{'lmp ÷ LMCache (IQR)':>27}"
     lines = [
-        f"lmprefetch bench-engine — {r['chunks']} chunks × {r['chunk_bytes'] // MiB} MiB "
-        f"({mb:.0f} MiB) per lookup, median of {r['repeats']}",
+        f"lmprefetch bench-engine — {r['chunks']} chunks × {r['chunk_bytes'] / MiB:g} MiB "
+        f"({mb:g} MiB) per lookup, lookup + prefetch + release, median of {r['repeats']} "
+        f"({r['x8_repeats']} for the 8-way case)",
         "",
-        f"  {'case':<27}{'lmprefetch':>12}   {'limit (same run)':>30}{'ratio':>8}"
-        f"   {'LMCache 0.5.6 (ref.)':>20}{'speed-up':>10}",
+        head,
     ]
-    for name, ours, limit_name, limit, peer in rows:
-        lines.append(
-            f"  {name:<27}{ours:10.1f}µs   {limit_name:>22} {limit:7.1f}µs{ours / limit:7.2f}×"
-            f"   {peer:18.0f}µs{peer / ours:9.1f}×"
+    for case, name in CASES:
+        ours = r[f"{case}_us"]
+        limit_name, limit = limits[case]
+        line = (
+            f"  {name:<27}{ours:10.1f}µs   {limit_name:>19} {limit:7.1f}µs{ours / limit:7.2f}×"
         )
+        if lmc:
+            q = lmc["ratios"][case]
+            line += (
+                f"   {lmc[f'{case}_us']:12.1f}µs"
+                f"   {q['median']:5.2f}× ({q['p25']:.2f}–{q['p75']:.2f})"
+            )
+        lines.append(line)
     lines.append(
         f"  (raw read alone, unverified: {r['raw_read_16_us']:.0f} µs for one lookup's files, "
         f"{r['raw_read_x8_us']:.0f} µs for eight)"
     )
+    lines.append(
+        f"  fresh engine (median of {len(r.get('cold_first_disk_all_us', [0]))}): opened in "
+        f"{r['engine_open_ms']:.1f} ms (arena "
+        f"{r['cpu_bytes'] / MiB:g} MiB, {r['arena_prefault_bytes'] / MiB:g} MiB of it "
+        "pre-faulted), "
+        f"first disk lookup {r['cold_first_disk_us']:.0f} µs, steady state "
+        f"{r['disk_hit_us']:.0f} µs"
+    )
+    if not lmc:
+        lines.append("  LMCache: not installed here, so not measured (no figure from another run)")
+    lines += ["", "  goals (this run):"]
+    lines += [g.line(52) for g in goals(r)]
+    lines.append("")
+    if lmc:
+        lines.append(
+            f"  answers correct: LMCache {'OK' if lmc['answers_ok'] else 'WRONG'}; "
+            f"lmprefetch leak check {'OK' if r['idle_after'] else 'LEAK'}; "
+            f"LMCache disk-metadata pins left: {lmc['disk_metadata_pins_after']}"
+        )
     lines.append(f"  leak check after the run: {'OK' if r['idle_after'] else 'LEAK'}")
     return "\n".join(lines)
 
@@ -230,10 +401,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=50,
         help="lookups per case; medians are printed (default: 50)",
     )
+    p.add_argument(
+        "--lmcache",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="measure LMCache 0.5.6 beside lmprefetch in this run: auto (when importable), "
+        "on (required), off (default: auto)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    r = run(args.chunks, args.chunk_bytes, args.repeats)
+    r = run(args.chunks, args.chunk_bytes, args.repeats, lmcache=args.lmcache)
     print(json.dumps(r, indent=2) if args.json else format_report(r))
-    return 0 if r["idle_after"] else 1
+    lmc = r.get("lmcache")
+    ok = r["idle_after"] and (lmc is None or lmc["answers_ok"])
+    return 0 if ok else 1

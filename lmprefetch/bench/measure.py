@@ -27,11 +27,13 @@ __all__ = [
     "Progress",
     "endpoint_for",
     "free_tcp_endpoint",
+    "measure_echo",
     "measure_miss_rtt",
     "measure_miss_throughput",
     "measure_raw_rtt",
     "measure_submit_and_poll",
     "measure_transport",
+    "measure_worker_rtt",
     "percentile",
     "raw_read_gbps",
     "replay",
@@ -61,6 +63,15 @@ def measure_raw_rtt(
 ) -> float:
     """Median round trip to ``peers`` echo processes (send to all, wait all): blocking pyzmq,
     or (``trio_echo``) lmprefetch's Trio-native sockets."""
+    return measure_echo(opts, ctx, peers, trio_echo=trio_echo)["median"]
+
+
+def measure_echo(
+    opts: BenchOptions, ctx: mp.context.SpawnContext, peers: int = 1, *, trio_echo: bool = False
+) -> dict[str, float]:
+    """:func:`measure_raw_rtt`, with ``first``: the very first round trip, sent as soon as
+    the echo processes are ready and connected to (so it pays what a first message on a new
+    connection pays, as the first lookup to a fresh worker does)."""
     procs = []
     zctx = zmq.Context()
     if opts.transport == "tcp":
@@ -75,25 +86,31 @@ def measure_raw_rtt(
     try:
         for front in fronts:
             target = trio_echo_main if trio_echo else echo_main
-            p = ctx.Process(target=target, args=(front, back), daemon=True)
+            ready = ctx.Event()
+            p = ctx.Process(target=target, args=(front, back, ready), daemon=True)
             p.start()
             procs.append(p)
+            if not ready.wait(120):
+                raise RuntimeError("an echo process did not start")
             s = zctx.socket(zmq.PUSH)
             s.connect(front)
             pushes.append(s)
         msg = b"x" * 64
         samples = []
+        first = math.nan
         for i in range(opts.rtt_samples + 100):
             t0 = time.perf_counter()
             for s in pushes:
                 s.send(msg)
             for _ in pushes:
                 pull.recv()
+            if i == 0:
+                first = time.perf_counter() - t0
             if i >= 100:
                 samples.append(time.perf_counter() - t0)
         for s in pushes:
             s.send(b"stop")
-        return statistics.median(samples)
+        return {"median": statistics.median(samples), "first": first}
     finally:
         for p in procs:
             p.join(5)
@@ -105,12 +122,16 @@ def measure_raw_rtt(
         zctx.term()
 
 
-def measure_miss_rtt(client: LookupClient, n: int, rng: random.Random) -> dict[str, float]:
-    """Full-miss lookups one at a time: the median time from ``lookup()`` until the answer is
-    in the client's table (what the scheduler's next poll sees), and until a thread blocked
-    in ``wait()`` has woken up with it."""
+def measure_miss_rtt(
+    client: LookupClient, n: int, rng: random.Random, *, warmup: int = 100
+) -> dict[str, float]:
+    """Full-miss lookups one at a time, after ``warmup`` unmeasured ones: the median time from
+    ``lookup()`` until the answer is in the client's table (what the scheduler's next poll
+    sees), and until a thread blocked in ``wait()`` has woken up with it.  ``first`` is the
+    first warm-up lookup's visible time."""
     visible, woken = [], []
-    for i in range(n + 100):
+    first = math.nan
+    for i in range(n + warmup):
         lid = f"rtt-{i}"
         hashes = [rng.getrandbits(64)]
         t0 = time.perf_counter()
@@ -121,10 +142,46 @@ def measure_miss_rtt(client: LookupClient, n: int, rng: random.Random) -> dict[s
         if result is None or timing is None or timing[1] is None:
             raise RuntimeError("a miss lookup was not answered within 5 s")
         client.forget(lid)
-        if i >= 100:
+        if i == 0:
+            first = timing[1] - timing[0]
+        if i >= warmup:
             woken.append(dt)
             visible.append(timing[1] - timing[0])
-    return {"visible": statistics.median(visible), "woken": statistics.median(woken)}
+    return {
+        "visible": statistics.median(visible) if visible else math.nan,
+        "woken": statistics.median(woken) if woken else math.nan,
+        "first": first,
+    }
+
+
+def measure_worker_rtt(
+    config: PrefetchConfig, request_endpoint: str, response_endpoint: str, n: int
+) -> float:
+    """Median full-miss round trip to a worker from a blocking pyzmq client (no
+    :class:`LookupClient`): an encoded request out, the encoded answer back.  The worker's own
+    cost over the echo, without the scheduler-side client's."""
+    from ..protocol import LookupRequestMsg, encode
+
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    push = zctx.socket(zmq.PUSH)
+    try:
+        pull.bind(response_endpoint)
+        push.connect(request_endpoint)
+        pull.setsockopt(zmq.RCVTIMEO, 5000)
+        samples = []
+        for i in range(n + 100):
+            msg = encode(LookupRequestMsg(f"raw-{i}", [i + 1], [1], None, seq=1))
+            t0 = time.perf_counter()
+            push.send(msg)
+            pull.recv()
+            if i >= 100:
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+    finally:
+        push.close(0)
+        pull.close(0)
+        zctx.term()
 
 
 def measure_submit_and_poll(config: PrefetchConfig, opts: BenchOptions) -> dict[str, float]:
@@ -317,16 +374,25 @@ def measure_transport(
         if not parent.poll(120):
             raise RuntimeError("the transport worker did not start")
         parent.recv()
+        # The scheduler's client comes up after the worker is ready: its first lookup is the
+        # first one this worker answers.
         with LookupClient(config, [req], resp) as client:
-            out["raw_rtt_us"] = measure_raw_rtt(opts, ctx, peers=1) * 1e6
+            first = measure_miss_rtt(client, 0, rng, warmup=1)["first"]
+            echo = measure_echo(opts, ctx, peers=1)
+            out["raw_rtt_us"] = echo["median"] * 1e6
+            out["raw_rtt_first_us"] = echo["first"] * 1e6
             out["trio_echo_rtt_us"] = measure_raw_rtt(opts, ctx, peers=1, trio_echo=True) * 1e6
             rtt = measure_miss_rtt(client, opts.rtt_samples, rng)
             out["miss_rtt_us"] = rtt["visible"] * 1e6
             out["miss_rtt_woken_us"] = rtt["woken"] * 1e6
+            out["first_lookup_us"] = first * 1e6
+            out["first_lookup_ratio"] = first / rtt["visible"]
             out["miss_rtt_ratio"] = out["miss_rtt_us"] / out["raw_rtt_us"]
             out["miss_lookups_per_s_per_worker"] = measure_miss_throughput(
                 client, opts.miss_lookups, rng
             )
+        # The same worker from a blocking pyzmq client, for the breakdown.
+        out["worker_rtt_us"] = measure_worker_rtt(config, req, resp, opts.rtt_samples) * 1e6
         parent.send(("stop", None))
     finally:
         proc.join(30)

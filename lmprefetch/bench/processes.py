@@ -78,7 +78,8 @@ def _wait_idle(runtime: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def _measure_cancel(runtime: Any, n: int) -> list[float]:
-    """Start a disk prefetch, cancel it mid-load, time until everything is released."""
+    """Start a disk prefetch of 8 chunks, cancel it while its reads run, and time until
+    everything is released; ``n`` times (the disk tier's keys are used in turn)."""
     import trio
     import trio.testing
 
@@ -87,11 +88,10 @@ def _measure_cancel(runtime: Any, n: int) -> list[float]:
     if disk is None:
         return []
     keys = disk.keys()
+    groups = len(keys) // 8
 
-    async def once(i: int) -> float | None:
-        chunk_keys = keys[i * 8 : (i + 1) * 8]
-        if len(chunk_keys) < 8:
-            return None
+    async def once(i: int) -> float:
+        chunk_keys = keys[(i % groups) * 8 : (i % groups + 1) * 8]
         hashes = [k.chunk_hash for k in chunk_keys]
         for k in chunk_keys:  # make the disk tier the one that answers
             engine.cpu.discard(k)
@@ -108,23 +108,22 @@ def _measure_cancel(runtime: Any, n: int) -> list[float]:
         return released
 
     async def run() -> list[float]:
-        out = []
-        for i in range(n):
-            r = await once(i)
-            if r is not None:
-                out.append(r)
-        return out
+        return [await once(i) for i in range(n if groups else 0)]
 
     result: list[float] = runtime.call(run)
     return result
 
 
-def echo_main(pull_endpoint: str, push_endpoint: str) -> None:
+def echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
+    """Echo every message from ``pull_endpoint`` (bound) to ``push_endpoint`` until
+    ``b"stop"``; ``ready`` (a multiprocessing event) is set once both sockets are set up."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(pull_endpoint)
     push = ctx.socket(zmq.PUSH)
     push.connect(push_endpoint)
+    if ready is not None:
+        ready.set()
     try:
         while True:
             msg = pull.recv()
@@ -137,7 +136,7 @@ def echo_main(pull_endpoint: str, push_endpoint: str) -> None:
         ctx.term()
 
 
-def trio_echo_main(pull_endpoint: str, push_endpoint: str) -> None:
+def trio_echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
     """The same echo on lmprefetch's Trio-native sockets: the floor for any Trio worker."""
     import trio
 
@@ -147,6 +146,8 @@ def trio_echo_main(pull_endpoint: str, push_endpoint: str) -> None:
         ctx = open_context()
         pull = TrioZmqSocket(make_pull(ctx, pull_endpoint, bind=True, hwm=1000))
         push = TrioZmqSocket(make_push(ctx, push_endpoint, bind=False, hwm=1000))
+        if ready is not None:
+            ready.set()
         try:
             while True:
                 for msg in await pull.recv_batch(64):

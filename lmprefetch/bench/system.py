@@ -48,7 +48,7 @@ from .measure import (
     replay,
 )
 from .processes import worker_main
-from .report import format_report, plot
+from .report import format_report, goals, plot
 from .workload import BenchOptions, fraction, int_at_least, make_workload
 
 __all__ = ["BenchOptions", "add_arguments", "main", "run_bench"]
@@ -100,9 +100,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             workload = make_workload(opts)
             results["replay"] = replay(client, workload, opts, rng)
             for conn in conns:
-                conn.send(("cancel_probe", 20))
-            cancel_samples = [x for conn in conns for x in conn.recv()]
-            results["cancel_release_ms_p50"] = percentile(sorted(cancel_samples), 50) * 1e3
+                conn.send(("cancel_probe", opts.cancel_samples))
+            cancel_samples = sorted(x for conn in conns for x in conn.recv())
+            results["cancel_samples"] = len(cancel_samples)
+            results["cancel_release_ms_p50"] = percentile(cancel_samples, 50) * 1e3
+            results["cancel_release_ms_p99"] = percentile(cancel_samples, 99) * 1e3
             results["cancel_release_ms_max"] = max(cancel_samples, default=math.nan) * 1e3
             # Leak check: every worker idle, nothing pinned or held.
             finals = []
@@ -212,6 +214,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"round trips measured for each latency figure (default: {d.rtt_samples})",
     )
     p.add_argument(
+        "--cancel-samples",
+        type=int_at_least(1),
+        default=d.cancel_samples,
+        help="in-flight disk prefetches cancelled per worker for the cancel figure "
+        f"(default: {d.cancel_samples})",
+    )
+    p.add_argument(
         "--transport",
         choices=["ipc", "tcp"],
         default=d.transport,
@@ -237,6 +246,7 @@ def main(args: argparse.Namespace) -> int:
         cpu_bytes=args.cpu_bytes,
         miss_lookups=args.miss_lookups,
         rtt_samples=args.rtt_samples,
+        cancel_samples=args.cancel_samples,
         transport=args.transport,
         seed=args.seed,
         json=args.json,
@@ -244,6 +254,7 @@ def main(args: argparse.Namespace) -> int:
         progress=not args.no_progress and not args.json,
     )
     results = run_bench(opts)
+    results["goals"] = [g.as_dict() for g in goals(results)]
     if opts.plot:
         plot(results, opts.plot)
     if opts.json:

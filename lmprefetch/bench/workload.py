@@ -36,6 +36,7 @@ class BenchOptions:
     cpu_bytes: int = 256 * MiB  # smaller than the workload: older chunks live on disk only
     miss_lookups: int = 20_000
     rtt_samples: int = 2_000
+    cancel_samples: int = 100  # per worker
     seed: int = 0
     transport: str = "ipc"
     json: bool = False

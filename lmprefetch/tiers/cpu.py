@@ -55,7 +55,8 @@ class CpuTier(BaseTier):
             if buf is None:
                 break
             entries.move_to_end(key)
-            out.append(buf.retain())
+            out.append(buf)
+        self._arena.retain_all(out)
         self.stats.chunks_loaded += len(out)
         self.stats.bytes_loaded += sum(b.length for b in out)
         return out

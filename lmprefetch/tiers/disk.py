@@ -20,9 +20,11 @@ order) is touched only from the Trio thread, so it needs no lock.
 A load runs up to ``read_threads`` thread calls that take the load's chunks in order, several
 chunks per call (a thread round trip costs about as much as copying a 2 MiB chunk out of the page
 cache).  Threads that write into a buffer run with ``abandon_on_cancel=False``, and each checks a
-stop flag before every chunk; the flag is set in the abort callback of the load's cancellation,
-synchronously.  So a cancelled load waits for the reads already running (one chunk per thread),
-starts no new one, and never leaves a thread writing into a buffer that the caller frees.
+stop flag before every chunk and between the pieces of a chunk (:data:`chunkfile.PIECE_BYTES`,
+each hashed while it is still in the CPU's cache); the flag is set in the abort callback of the
+load's cancellation, synchronously.  So a cancelled load waits for the pieces already being read
+(one per thread), starts no new one, and never leaves a thread writing into a buffer that the
+caller frees.
 
 Writes are write-behind: :meth:`DiskTier.enqueue_write` takes an owner reference on the cached
 arena buffer and queues it, without blocking; a single writer task writes the queue in order to
@@ -101,6 +103,15 @@ class _LoadRun:
         with self._lock:
             self.outcomes[i] = exc
             self._first_bad = min(self._first_bad, i)
+
+    def check(self) -> None:
+        """Raise :class:`_Stopped` once the load is cancelled (between a chunk's pieces)."""
+        if self.stop.is_set():
+            raise _Stopped
+
+
+class _Stopped(Exception):
+    """A chunk read left half-way because its load was cancelled; the chunk is not loaded."""
 
 
 async def _set_when_cancelled(stop: threading.Event) -> None:
@@ -183,6 +194,11 @@ class DiskTier(BaseTier):
     def _file_path(self, key: ChunkKey) -> str:
         return os.path.join(self.path, key.to_string() + chunkfile.FILE_SUFFIX)
 
+    def _path_and_name(self, key: ChunkKey) -> tuple[str, bytes]:
+        """The key's file path and its key string (as the header holds it), built once."""
+        name = key.to_string()
+        return os.path.join(self.path, name + chunkfile.FILE_SUFFIX), name.encode()
+
     async def _rebuild_index(self) -> None:
         """Create the directory and index the chunk files already in it (oldest first)."""
         found, foreign, stale = await trio.to_thread.run_sync(
@@ -235,9 +251,10 @@ class DiskTier(BaseTier):
         once its payload passed the key and checksum checks (D12).  Each loaded chunk becomes
         most recently used.
 
-        Cancellation: no chunk read starts after the cancel; reads already running (at most one
-        per read thread) finish first, since their threads write into the buffers, and then
-        ``Cancelled`` propagates.  The caller releases every buffer.
+        Cancellation: no chunk read starts after the cancel, and one already running stops at
+        the end of its current piece (at most one piece per read thread; the threads write into
+        the buffers, so they are waited for), and then ``Cancelled`` propagates.  The caller
+        releases every buffer.
         """
         n = min(len(keys), len(buffers))
         indexed = 0
@@ -248,8 +265,7 @@ class DiskTier(BaseTier):
             return 0
         with contextlib.ExitStack() as slots:  # released once no thread can touch them
             run = _LoadRun([
-                (self._file_path(key), key.to_string().encode(),
-                 slots.enter_context(buf.slot()))
+                (*self._path_and_name(key), slots.enter_context(buf.slot()))
                 for key, buf in zip(keys[:indexed], buffers, strict=False)
             ])
             readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
@@ -300,11 +316,13 @@ class DiskTier(BaseTier):
 
     def _read_all(self, run: _LoadRun) -> None:
         """Read every chunk of ``run`` in order (runs in a worker thread); stops at the first
-        failed read, and raises ``Cancelled`` before a chunk once the load was cancelled."""
+        failed read, and raises ``Cancelled`` before a chunk, or between the pieces of one,
+        once the load was cancelled."""
+        check = trio.from_thread.check_cancelled
         for i, job in enumerate(run.jobs):
-            trio.from_thread.check_cancelled()
+            check()
             try:
-                run.outcomes[i] = self._read_chunk(*job)
+                run.outcomes[i] = self._read_chunk(*job, check)
             except (chunkfile.ChunkMiss, OSError) as exc:
                 run.fail(i, exc)
                 return
@@ -318,10 +336,12 @@ class DiskTier(BaseTier):
                 if i is None:
                     return
                 try:
-                    run.outcomes[i] = self._read_chunk(*run.jobs[i])
+                    run.outcomes[i] = self._read_chunk(*run.jobs[i], run.check)
                 except (chunkfile.ChunkMiss, OSError) as exc:
                     run.fail(i, exc)
                     return
+        except _Stopped:  # cancelled half-way through chunk i: it stays unread
+            return
         except BaseException:  # a bug: stop the other threads of this load, then propagate
             run.stop.set()
             raise
@@ -362,8 +382,15 @@ class DiskTier(BaseTier):
                     log.warning("disk tier: reading %s failed: %s", key.to_string(), outcome)
         return count, loaded_bytes
 
-    def _read_chunk(self, path: str, key_bytes: bytes, slot: memoryview) -> tuple[int, bool]:
-        """Read and verify one chunk file into ``slot`` (runs in a worker thread).
+    def _read_chunk(
+        self,
+        path: str,
+        key_bytes: bytes,
+        slot: memoryview,
+        check: Callable[[], None] | None = None,
+    ) -> tuple[int, bool]:
+        """Read and verify one chunk file into ``slot`` (runs in a worker thread); ``check``
+        runs between its pieces and raises to stop (see :func:`chunkfile.read_buffered`).
 
         Returns:
             ``(payload_bytes, read_with_o_direct)``.
@@ -379,10 +406,10 @@ class DiskTier(BaseTier):
                 and chunkfile.address(slot) % chunkfile.ALIGN == 0
             ):
                 try:
-                    return chunkfile.read_direct(path, key_bytes, slot), True
+                    return chunkfile.read_direct(path, key_bytes, slot, check), True
                 except chunkfile.DirectUnsupported:
                     self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
-            return chunkfile.read_buffered(path, key_bytes, slot), False
+            return chunkfile.read_buffered(path, key_bytes, slot, check), False
         except FileNotFoundError:
             raise chunkfile.FileMissing(path) from None
         except chunkfile.FileCorrupt:
