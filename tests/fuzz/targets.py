@@ -1,0 +1,321 @@
+"""What the wire fuzzers check, as plain functions of one input's bytes.
+
+The same functions serve three callers: the Hypothesis tests in the default suite, the
+coverage-guided atheris harnesses (``tests/fuzz/run_atheris.py``, ``nox -s fuzz``), and the
+regression test that replays every input ever kept under ``tests/fuzz/crashes/`` and
+``tests/fuzz/corpus/``.  A check passes by returning and fails by raising; anything but an
+``AssertionError`` escaping a check is the bug itself (the exception a receive loop would have
+died of).
+
+Targets (each one a directory name under ``corpus/`` and ``crashes/``):
+
+* ``worker_frame`` — :func:`check_worker_frame`: one frame for a worker's request socket.
+* ``response_frame`` — :func:`check_response_frame`: one frame for the client's answer socket.
+* ``server_frames`` — :class:`HandleHarness`: a sequence of frames (see :func:`split_frames`)
+  fed to ``LookupServer._handle`` on a live in-process engine with cached data, then the
+  server's counters, its answers and the engine's conservation invariant are checked.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from lmprefetch import PrefetchConfig
+from lmprefetch.prefetch import Engine, open_engine
+from lmprefetch.protocol import (
+    LookupCleanupMsg,
+    LookupRequestMsg,
+    LookupResponseMsg,
+    decode_response,
+    decode_worker_message,
+    encode,
+    validate_request,
+)
+from lmprefetch.server import LookupServer
+
+__all__ = [
+    "TARGETS",
+    "HandleHarness",
+    "Outcome",
+    "check_response_frame",
+    "check_worker_frame",
+    "classify_response_frame",
+    "classify_worker_frame",
+    "join_frames",
+    "split_frames",
+]
+
+CHUNK = 4
+RANK = 3
+WORLD_SIZE = 4
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a receiver must make of one frame: ``malformed`` (dropped and counted),
+    ``cleanup``, ``request`` (accepted unless stale, answered) or ``invalid`` (a request that
+    decodes but makes no sense: answered 0 and counted as malformed), or ``response``."""
+
+    kind: str
+    msg: Any = None
+    #: For requests: the most tokens an answer may claim (0 for an invalid request).
+    max_tokens: int = 0
+
+
+def classify_worker_frame(data: bytes) -> Outcome:
+    """What a worker must make of ``data`` (any exception while decoding: ``malformed``),
+    without checking the decoder itself: the oracle of the server tests."""
+    try:
+        msg = decode_worker_message(data)
+    except Exception:
+        return Outcome("malformed")
+    if isinstance(msg, LookupCleanupMsg):
+        return Outcome("cleanup", msg)
+    if validate_request(msg) is not None:
+        return Outcome("invalid", msg, 0)
+    return Outcome("request", msg, sum(msg.offsets))
+
+
+def classify_response_frame(data: bytes) -> Outcome:
+    """What the client must make of ``data`` (any exception while decoding: ``malformed``)."""
+    try:
+        return Outcome("response", decode_response(data))
+    except Exception:
+        return Outcome("malformed")
+
+
+def check_worker_frame(data: bytes) -> Outcome:
+    """One frame for a worker: only ``msgspec.DecodeError`` may escape the decoder; whatever
+    decodes re-encodes to an equal message, and every answer the worker could give it encodes
+    (so an accepted request can always be answered)."""
+    try:
+        msg = decode_worker_message(data)
+    except msgspec.DecodeError:
+        return Outcome("malformed")
+    assert isinstance(msg, LookupRequestMsg | LookupCleanupMsg), type(msg)
+    assert decode_worker_message(encode(msg)) == msg
+    if isinstance(msg, LookupCleanupMsg):
+        return Outcome("cleanup", msg)
+    problem = validate_request(msg)
+    assert problem is None or isinstance(problem, str)
+    most = 0 if problem is not None else sum(msg.offsets)
+    for hit_tokens in {0, most}:
+        answer = LookupResponseMsg(msg.lookup_id, hit_tokens, seq=msg.seq, worker_id=RANK)
+        assert decode_response(encode(answer)) == answer
+    return Outcome("request" if problem is None else "invalid", msg, most)
+
+
+def check_response_frame(data: bytes) -> Outcome:
+    """One frame for the client: only ``msgspec.DecodeError`` may escape; whatever decodes
+    re-encodes to an equal message and has a usable token count and rank."""
+    try:
+        msg = decode_response(data)
+    except msgspec.DecodeError:
+        return Outcome("malformed")
+    assert isinstance(msg, LookupResponseMsg), type(msg)
+    assert decode_response(encode(msg)) == msg
+    assert msg.num_hit_tokens >= 0 and msg.worker_id >= -1
+    return Outcome("response", msg)
+
+
+# -- a sequence of frames in one input --------------------------------------------------------
+def split_frames(data: bytes) -> list[bytes]:
+    """``data`` as frames, each behind a 4-byte big-endian length (a short last one takes the
+    rest), so one fuzz input is a conversation a mutator can change frame by frame."""
+    frames, i = [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i : i + 4], "big")
+        frames.append(data[i + 4 : i + 4 + n])
+        i += 4 + n
+    return frames
+
+
+def join_frames(frames: Iterable[bytes]) -> bytes:
+    return b"".join(struct.pack(">I", len(f)) + f for f in frames)
+
+
+# -- the server's receive path on a live engine -------------------------------------------------
+def stored_prompts() -> list[list[int]]:
+    """The prompts the harness's engine holds: in the CPU tier, and (longer) in a slower tier
+    whose loads run in tasks."""
+    return [[p * 1000 + i for i in range(n * CHUNK)] for p, n in ((1, 3), (2, 5), (3, 8))]
+
+
+def harness_config() -> PrefetchConfig:
+    return PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * 48)
+
+
+def known_hashes() -> list[int]:
+    """The chunk hashes of :func:`stored_prompts` as the engine computes them."""
+    from lmprefetch.hashing import ChunkHasher
+
+    hasher = ChunkHasher(CHUNK)
+    return sorted({h for p in stored_prompts() for h in hasher.hash(p)})
+
+
+@dataclass
+class _Run:
+    """The oracle's bookkeeping for one input."""
+
+    expected: Counter[str] = field(default_factory=Counter)
+    #: (lookup_id, seq) → how many requests could be answered under it, and the most tokens.
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
+    most: dict[tuple[str, int], int] = field(default_factory=dict)
+    invalid: set[tuple[str, int]] = field(default_factory=set)
+
+
+class HandleHarness:
+    """``LookupServer._handle`` on an in-process engine (CPU tier plus a slower fake tier, both
+    with data), running on a Trio loop in a background thread.
+
+    :meth:`run` feeds one input's frames, then checks: the server counted every frame exactly
+    as the oracle (:func:`check_worker_frame`) classifies it; once the lookups are cancelled,
+    the outbox holds exactly one answer per accepted request, each for a request that was sent
+    (same id and seq), within its token count, from this rank; and the engine is back to its
+    conservation invariant with no failed lookup.  Use it as a context manager.
+    """
+
+    def __init__(self) -> None:
+        # The fake tier lives in tests/fakes.py (the harness runs from the repository root).
+        from tests.fakes import FakeTier
+
+        self._stack = ExitStack()
+        try:
+            self.portal: BlockingPortal = self._stack.enter_context(
+                start_blocking_portal(backend="trio")
+            )
+            slow = FakeTier("slow")
+            engine_cm = open_engine(
+                harness_config(), rank=RANK, world_size=WORLD_SIZE, extra_tiers=[slow]
+            )
+            self.engine: Engine = self._stack.enter_context(
+                self.portal.wrap_async_context_manager(engine_cm)
+            )
+            self.portal.call(self._fill, slow)
+        except BaseException:
+            self._stack.close()
+            raise
+        self.server = LookupServer(self.engine, None, None)  # type: ignore[arg-type]
+        self.inputs = 0
+
+    async def _fill(self, slow: Any) -> None:
+        """The first two prompts in the CPU tier; all three in the slow tier."""
+        engine = self.engine
+        for n, prompt in enumerate(stored_prompts()):
+            data = [bytes([n * 16 + i]) * 40 for i in range(len(prompt) // CHUNK)]
+            if n < 2:
+                await engine.store(prompt, data)
+            for key, payload in zip(engine.keys.keys(engine.hasher.hash(prompt)), data):
+                slow.data[key] = payload
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> HandleHarness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, data: bytes) -> None:
+        self.inputs += 1
+        self.portal.call(self._run, split_frames(data))
+
+    async def _run(self, frames: list[bytes]) -> None:
+        server, engine = self.server, self.engine
+        # Start clean even after an input that failed a check (Hypothesis goes on shrinking).
+        engine.cancel_all()
+        await engine.wait_quiet()
+        server._outbox.clear()
+        before = dict(server.counters)
+        failed_before = _failures(engine)
+        run = _Run()
+        for frame in frames:
+            server._handle(frame)
+            outcome = check_worker_frame(frame)
+            run.expected[outcome.kind] += 1
+            if outcome.kind in ("request", "invalid"):
+                key = (outcome.msg.lookup_id, outcome.msg.seq)
+                run.requests[key] += 1
+                run.most[key] = max(run.most.get(key, 0), outcome.max_tokens)
+                if outcome.kind == "invalid":
+                    run.invalid.add(key)
+            # Let lookups run between frames now and then, as a real receive loop would.
+            if len(frame) % 3 == 0:
+                await trio.lowlevel.checkpoint()
+        got = {k: server.counters[k] - before[k] for k in before}
+        want_received = run.expected["request"] + run.expected["invalid"]
+        assert got["cleanups_received"] == run.expected["cleanup"], (got, run.expected)
+        assert got["requests_received"] == want_received, (got, run.expected)
+        assert got["messages_malformed"] == run.expected["malformed"] + run.expected["invalid"]
+        assert got["requests_accepted"] + got["requests_stale"] == want_received
+        engine.cancel_all()
+        await engine.wait_quiet()
+        answers = [decode_response(buf) for buf in server._outbox]
+        server._outbox.clear()
+        server.counters["answers_sent"] += len(answers)  # what the send task would do
+        assert len(answers) == got["requests_accepted"], (len(answers), got)
+        seen: Counter[tuple[str, int]] = Counter()
+        for a in answers:
+            key = (a.lookup_id, a.seq)
+            seen[key] += 1
+            assert seen[key] <= run.requests[key], f"an answer nobody asked for: {a}"
+            assert a.worker_id == RANK
+            assert 0 <= a.num_hit_tokens <= run.most[key], a
+            if a.num_hit_tokens and key in run.invalid and run.most[key] == 0:
+                raise AssertionError(f"an invalid request answered non-zero: {a}")
+        assert_idle(engine, failed_before)
+
+
+def _failures(engine: Engine) -> tuple[int, ...]:
+    s = engine.stats()
+    return (s["lookups_failed"], *(tier["errors"] for tier in s["tiers"].values()))
+
+
+def assert_idle(engine: Engine, failures_before: tuple[int, ...] | None = None) -> None:
+    """DESIGN §7 conservation, and no lookup failed and no tier erred (since
+    ``failures_before``, from :func:`_failures`, if given)."""
+    s = engine.stats()
+    assert s["inflight_lookups"] == 0 and s["held_lookups"] == 0, s
+    assert s["pinned_chunks"] == 0 and s["limiter_used"] == 0, s
+    assert s["arena_used_bytes"] == s["cpu_resident_bytes"], s
+    before = failures_before or (0,) * (1 + len(s["tiers"]))
+    assert _failures(engine) == before, f"a lookup failed or a tier erred: {s}"
+
+
+#: Target name → the check of one input (the server target needs a harness: see ``runner``).
+TARGETS: dict[str, Callable[[bytes], object] | None] = {
+    "worker_frame": check_worker_frame,
+    "response_frame": check_response_frame,
+    "server_frames": None,
+}
+
+
+def runner(target: str) -> tuple[Callable[[bytes], object], Callable[[], None]]:
+    """The check for ``target`` and a function that releases what it holds."""
+    check = TARGETS[target]
+    if check is not None:
+        return check, lambda: None
+    harness = HandleHarness()
+    return harness.run, harness.close
+
+
+if __name__ == "__main__":  # pragma: no cover - replay one file by hand
+    target_name, path = sys.argv[1], sys.argv[2]
+    run_one, done = runner(target_name)
+    try:
+        with open(path, "rb") as f:
+            run_one(f.read())
+    finally:
+        done()
+    print("ok")
