@@ -207,6 +207,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             doc = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: not a valid TOML file: {exc}") from None
+        except RecursionError:  # tomllib is recursive: arrays or tables nested ~500 deep
+            raise ValueError(f"{path}: not a valid TOML file: values nested too deeply") from None
         table = doc.get("lmprefetch", doc)
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [lmprefetch] must be a table")

@@ -141,3 +141,17 @@ def test_config_file_that_cannot_be_read_is_a_value_error_and_an_os_error(
     assert caught.value.errno == errno.ENOENT
     with pytest.raises(ValueError, match="is a directory"):
         PrefetchConfig.from_file(tmp_path)
+
+
+# -- found by fuzzing (tests/test_fuzz_config_cli.py) ------------------------------------------
+def test_a_toml_file_nested_too_deeply_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
+    """tomllib is recursive: a few kilobytes of ``[[[…]]]`` raised RecursionError, which
+    ``lmprefetch worker --config`` printed as a traceback."""
+    p = tmp_path / "deep.toml"
+    for doc in (
+        "chunk_size = " + "[" * 3000 + "]" * 3000,
+        "x = " + "{a = " * 3000 + "1" + "}" * 3000,
+    ):
+        p.write_text(doc)
+        with pytest.raises(ValueError, match=r"deep\.toml: not a valid TOML file: .*too deeply"):
+            PrefetchConfig.from_file(p)
