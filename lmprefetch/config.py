@@ -176,9 +176,15 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"config: expected a mapping of field names, got {type(data).__name__}"
             )
         known = set(cls.__struct_fields__)
-        for name in data:
+        for name, value in data.items():
             if name not in known:
-                raise ValueError(f"{name}: unknown PrefetchConfig field (known: {sorted(known)})")
+                raise ValueError(
+                    f"{_shown(name)}: unknown PrefetchConfig field (known: {sorted(known)})"
+                )
+            if isinstance(value, str) and name != "disk_path" and not _is_utf8(value):
+                # Lone surrogates: an environment variable that is not UTF-8.  msgspec would
+                # fail on them with an error that names no field.
+                raise ValueError(f"{name}: must be valid UTF-8 text, got {value!r}")
         try:
             return msgspec.convert(dict(data), cls, strict=False)
         except msgspec.ValidationError as exc:
@@ -202,16 +208,20 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 what = "is a directory, not a config file"
             else:
                 what = f"cannot read the config file ({exc.strerror})"
-            raise ConfigFileError(exc.errno or 0, f"{path}: {what}") from None
+            raise ConfigFileError(exc.errno or 0, f"{_shown(str(path))}: {what}") from None
+        except ValueError as exc:  # a NUL, or a surrogate the file system cannot encode
+            raise ValueError(f"{_shown(str(path))}: not a usable file name ({exc})") from None
         try:
             doc = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: not a valid TOML file: {exc}") from None
+            raise ValueError(f"{_shown(str(path))}: not a valid TOML file: {exc}") from None
         except RecursionError:  # tomllib is recursive: arrays or tables nested ~500 deep
-            raise ValueError(f"{path}: not a valid TOML file: values nested too deeply") from None
+            raise ValueError(
+                f"{_shown(str(path))}: not a valid TOML file: values nested too deeply"
+            ) from None
         table = doc.get("lmprefetch", doc)
         if not isinstance(table, dict):
-            raise ValueError(f"{path}: [lmprefetch] must be a table")
+            raise ValueError(f"{_shown(str(path))}: [lmprefetch] must be a table")
         return cls.from_dict(table)
 
     @classmethod
@@ -232,7 +242,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for var in sorted(env):
             if var.startswith(prefix) and var not in known:
                 raise ValueError(
-                    f"{var}: unknown variable: no PrefetchConfig field is called "
+                    f"{_shown(var)}: unknown variable: no PrefetchConfig field is called "
                     f"{var[len(prefix):].lower()!r} (known: {prefix}CONFIG and "
                     f"{prefix}<FIELD> for the fields {sorted(cls.__struct_fields__)})"
                 )
@@ -272,6 +282,20 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 _OPTIONAL_FIELDS = frozenset({"disk_path", "redis_url"})
+
+
+def _shown(name: object) -> str:
+    """A name as an error message starts with it: as is if it is printable text, else its
+    ``repr`` (so that a message is always one line)."""
+    return name if isinstance(name, str) and name.isprintable() and name else repr(name)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _field_message(text: str) -> str:
@@ -360,6 +384,13 @@ def _validate(c: PrefetchConfig) -> None:
         _check_type(name, getattr(c, name), (str,))
     _check_type("disk_path", c.disk_path, (str,), allow_none=True)
     _check_type("redis_url", c.redis_url, (str,), allow_none=True)
+    # Keys (model_name) and URLs are written as UTF-8; a path may be any bytes but NUL.
+    for name in ("model_name", "redis_url"):
+        value = getattr(c, name)
+        if value is not None and not _is_utf8(value):
+            raise ValueError(f"{name}: must be valid UTF-8 text, got {value!r}")
+    if c.disk_path is not None and "\x00" in c.disk_path:
+        raise ValueError(f"disk_path: must not contain a NUL character, got {c.disk_path!r}")
 
     if c.chunk_size < 1:
         raise ValueError(f"chunk_size: must be at least 1 token, got {c.chunk_size}")

@@ -155,3 +155,40 @@ def test_a_toml_file_nested_too_deeply_is_a_value_error_naming_the_file(tmp_path
         p.write_text(doc)
         with pytest.raises(ValueError, match=r"deep\.toml: not a valid TOML file: .*too deeply"):
             PrefetchConfig.from_file(p)
+
+
+@pytest.mark.parametrize("field", ["chunk_size", "lookup_timeout_s", "layerwise", "model_name"])
+def test_an_environment_variable_that_is_not_utf8_names_its_field(field: str) -> None:
+    """Python decodes a variable that is not UTF-8 with lone surrogates; msgspec then failed
+    with an error naming no field (numbers), or the value was accepted and every store raised
+    UnicodeEncodeError later (model_name: it goes into keys and file names)."""
+    not_utf8 = b"4\xff".decode("utf-8", "surrogateescape")
+    with pytest.raises(ValueError, match=rf"^{field}: must be valid UTF-8 text"):
+        PrefetchConfig.from_env({f"LMPREFETCH_{field.upper()}": not_utf8})
+
+
+def test_text_fields_that_cannot_be_written_name_the_field() -> None:
+    with pytest.raises(ValueError, match="^model_name: must be valid UTF-8 text"):
+        PrefetchConfig(model_name="m\udcff")
+    with pytest.raises(ValueError, match="^redis_url: must be valid UTF-8 text"):
+        PrefetchConfig(redis_url="redis://h\udcff:1")
+    with pytest.raises(ValueError, match="^disk_path: must not contain a NUL character"):
+        PrefetchConfig(disk_path="/tmp/a\x00b")
+    # A path may be any bytes but NUL (os.fsencode turns the surrogates back into them).
+    assert PrefetchConfig(disk_path="/tmp/\udcff").disk_path == "/tmp/\udcff"
+
+
+def test_names_that_are_not_printable_are_quoted_so_a_message_is_one_line(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"^'a\\nb': unknown PrefetchConfig field") as caught:
+        PrefetchConfig.from_dict({"a\nb": 1})
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"^'LMPREFETCH_\\x1e': unknown variable"):
+        PrefetchConfig.from_env({"LMPREFETCH_\x1e": "1"})
+    with pytest.raises(ValueError, match=r"^'a\\x00b': not a usable file name"):
+        PrefetchConfig.from_file("a\x00b")
+    p = tmp_path / "line\nbreak.toml"
+    with pytest.raises(ValueError, match=r"break\.toml': config file not found") as caught:
+        PrefetchConfig.from_file(p)
+    assert "\n" not in str(caught.value)
