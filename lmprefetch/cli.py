@@ -131,11 +131,20 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return engine.main(args)
 
 
+def _one_line(text: str) -> str:
+    """``text`` with every character that is not printable (newlines, other line breaks,
+    control characters, lone surrogates) escaped, so that it prints as exactly one line."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (naming the option) and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        # argparse quotes most values it complains about, but not unrecognized arguments.
+        self.exit(2, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ValueError as exc:
-        print(f"lmprefetch: {exc}", file=sys.stderr)
+        print(f"lmprefetch: {_one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

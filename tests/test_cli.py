@@ -186,3 +186,27 @@ def test_bench_engine_small() -> None:
     assert [g["key"] for g in r["goals"]][-1] == "cold_first_disk_vs_steady"
     if r["lmcache"] is None:  # not installed: no LMCache figure, and no goal against it
         assert not any("lmcache" in g["key"] for g in r["goals"])
+
+
+def test_every_error_is_one_line_whatever_was_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by fuzzing the command line: argparse does not quote unrecognized arguments, and a
+    config key may hold a line break, so one mistake printed two lines."""
+    from lmprefetch import cli
+
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["bench", "--rank", "\x1e"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "lmprefetch: unrecognized arguments: --rank \\x1e (see lmprefetch --help)"
+    ]
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('"chunk\\nsize" = 4\n')
+    ipc = f"ipc://@lmp-cli-{uuid.uuid4().hex[:8]}"
+    argv = ["worker", "--request-endpoint", ipc, "--response-endpoint", ipc, "--config", str(cfg)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lmprefetch: 'chunk\\nsize': unknown PrefetchConfig field")
