@@ -326,7 +326,14 @@ class Bridge:
             if op == REQUEST:
                 self.send_request(cmd)
             elif op == CLEANUP:
-                self._send_to_all(encode(LookupCleanupMsg(cmd[1], seq=cmd[2])))
+                try:
+                    buf = encode(LookupCleanupMsg(cmd[1], seq=cmd[2]))
+                except (ValueError, msgspec.EncodeError) as exc:
+                    # An id msgpack cannot hold (a str that is not UTF-8): its request could
+                    # not be encoded either, so no worker holds anything under it.
+                    logger.warning("cancel %r: nothing to clean up (%s)", cmd[1], exc)
+                    continue
+                self._send_to_all(buf)
             else:
                 return True
         return False

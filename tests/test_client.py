@@ -234,6 +234,25 @@ def test_unhashable_prompt_answers_zero(cluster: Cluster, caplog: pytest.LogCapt
     assert_no_other_traffic(client, [w])  # nothing was sent for it
 
 
+def test_cancel_of_an_id_that_cannot_be_encoded_leaves_the_bridge_alive(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by fuzzing the client's arguments: an id that is not UTF-8 text (lone
+    surrogates) cannot be encoded.  Its lookup answered 0, but cancel() then killed the bridge
+    thread with UnicodeEncodeError, and every later lookup raised."""
+    client, [w] = cluster(1)
+    caplog.set_level(logging.WARNING, logger="lmprefetch.client")
+    bad = "req-\udcff"
+    client.lookup(bad, tokens(1))
+    assert client.wait(bad, LIMIT_S) == 0
+    client.cancel(bad)
+    assert_no_other_traffic(client, [w])  # nothing could be sent for it; the bridge lives
+    assert "nothing to clean up" in caplog.text
+    client.lookup("ok", tokens(1))
+    w.answer("ok", 4, seq=w.recv_request().seq)
+    assert client.wait("ok", LIMIT_S) == 4
+
+
 # -- answers --------------------------------------------------------------------------
 
 
