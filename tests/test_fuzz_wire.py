@@ -16,12 +16,13 @@ import os
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
 import trio
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from lmprefetch import Engine, LookupClient, PrefetchConfig, open_engine, serve_lookups
@@ -72,6 +73,9 @@ def fuzz_settings(examples: int) -> settings:
     return settings(
         max_examples=max(1, int(examples * SCALE)),
         deadline=None,
+        # No "explain" phase: it traces every line of every failing example again, which
+        # takes minutes for examples that start threads and sockets.
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
 
@@ -291,6 +295,82 @@ def test_hostile_answers_never_stop_the_client_bridge(frames: list[bytes], hit: 
             assert stats["stale_answers_dropped"] == sum(o.kind == "response" for o in oracle)
             assert client._table.failure is None and client._bridge.thread.is_alive()
     finally:
+        pull.close()
+        push.close()
+        ctx.term()
+
+
+# Lookup ids as an engine might hand them over: any text, now and then with lone surrogates
+# (a str that cannot be encoded: what os.fsdecode makes of bytes that are not UTF-8).
+_lookup_ids = weighted(
+    (6, st.text(max_size=8)),
+    (1, st.binary(min_size=1, max_size=4).map(lambda b: b.decode("utf-8", "surrogateescape"))),
+)
+_wide_ints = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([-(2**63), 2**64 - 1]))
+_client_calls = st.one_of(
+    st.tuples(
+        st.just("lookup"),
+        _lookup_ids,
+        st.one_of(st.lists(st.integers(0, 50_000), max_size=12), st.lists(_wide_ints, max_size=5)),
+        st.one_of(st.just(0), st.integers(-3, 16)),
+        st.one_of(st.none(), st.lists(_wide_ints, max_size=4)),
+        st.one_of(st.none(), st.lists(_wide_ints, max_size=4)),
+    ),
+    st.tuples(st.sampled_from(["cancel", "forget"]), _lookup_ids),
+)
+
+
+@fuzz_settings(25)
+@given(st.lists(_client_calls, min_size=1, max_size=8), st.integers(0, 2**63 - 1))
+def test_any_lookup_arguments_never_stop_the_client_bridge(
+    calls: list[tuple[Any, ...]], hit: int
+) -> None:
+    """Whatever the engine passes to ``lookup``, ``cancel`` and ``forget`` (ids that cannot be
+    encoded, tokens or hashes outside 64 bits, bad ``skip_tokens``), a call either works or
+    raises ``ValueError``, and the bridge thread lives on: a later lookup is still answered."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    worker_ep = f"ipc://@lmp-fuzz-{uuid.uuid4().hex}"
+    pull = ctx.socket(zmq.PULL)
+    pull.linger = 0
+    pull.bind(worker_ep)
+    push = ctx.socket(zmq.PUSH)
+    push.linger = 0
+    config = PrefetchConfig(chunk_size=CHUNK, lookup_timeout_s=LIMIT_S)
+    probe = f"probe-{uuid.uuid4().hex}"
+    died = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        with LookupClient(config, [worker_ep], f"ipc://@lmp-fuzz-{uuid.uuid4().hex}") as client:
+            push.connect(client.response_endpoint)
+            for op, lookup_id, *args in calls:
+                if op == "lookup":
+                    tokens, skip, hashes, offsets = args
+                    try:
+                        client.lookup(
+                            lookup_id, tokens, skip_tokens=skip, hashes=hashes, offsets=offsets
+                        )
+                    except ValueError:
+                        pass
+                else:
+                    getattr(client, op)(lookup_id)
+            assert client.lookup(probe, list(range(8))) is None
+            # The bridge sends the probe's request after everything the calls above queued;
+            # if it dies on the way it closes its sockets, which the monitor reports at once.
+            poller = zmq.Poller()
+            poller.register(pull, zmq.POLLIN)
+            poller.register(died, zmq.POLLIN)
+            while True:
+                ready = dict(poller.poll(int(LIMIT_S * 1000)))
+                assert ready, "neither the probe's request nor a disconnect came"
+                assert died not in ready, f"the bridge thread died: {client._table.failure!r}"
+                msg = decode_worker_message(pull.recv())
+                if isinstance(msg, LookupRequestMsg) and msg.lookup_id == probe:
+                    break
+            push.send(encode(LookupResponseMsg(probe, hit, seq=msg.seq, worker_id=0)))
+            assert client.wait(probe, LIMIT_S) == hit
+            assert client._table.failure is None and client._bridge.thread.is_alive()
+    finally:
+        pull.disable_monitor()
+        died.close()
         pull.close()
         push.close()
         ctx.term()
