@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import string
-import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,12 +26,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from lmprefetch import PrefetchConfig, cli
-from lmprefetch.keys import ChunkKey
 
 from .fuzz.frames import weighted
+from .fuzz.targets import FIELDS, assert_names_what_to_fix, assert_usable, toml_keys
 
 SCALE = float(os.environ.get("LMPREFETCH_FUZZ_SCALE", "1"))
-FIELDS: tuple[str, ...] = tuple(PrefetchConfig.__struct_fields__)
 
 
 def fuzz_settings(examples: int) -> settings:
@@ -97,28 +95,6 @@ configs_as_dicts = st.dictionaries(_keys, st.none(), max_size=6).flatmap(
 )
 
 
-def assert_names_what_to_fix(exc: ValueError, names: set[str]) -> None:
-    """The message starts with one of ``names`` (its ``repr`` if it is not printable) and a
-    colon, and is one line."""
-    msg = str(exc)
-    shown = {*names, *(repr(name) for name in names)}
-    assert any(msg.startswith(f"{name}: ") for name in shown), msg
-    assert "\n" not in msg and "\r" not in msg, msg
-
-
-def assert_usable(config: PrefetchConfig) -> None:
-    """A config that validated can be used: its text goes into keys, paths and URLs."""
-    key = ChunkKey(config.model_name, 1, 0, 2**64 - 1, config.kv_dtype, 3)
-    key.to_string().encode("utf-8")
-    assert ChunkKey.from_string(key.to_string()) == key
-    if config.disk_path is not None:
-        os.fsencode(config.disk_path)
-        assert "\x00" not in config.disk_path
-    if config.redis_url is not None:
-        config.redis_url.encode("utf-8")
-    assert PrefetchConfig.from_dict(config.to_dict()) == config
-
-
 # -- (d) PrefetchConfig ---------------------------------------------------------------------
 @fuzz_settings(150)
 @given(st.one_of(configs_as_dicts, _values))
@@ -181,27 +157,12 @@ def test_from_file_succeeds_or_names_the_file_or_the_field(scratch: Path, raw: b
         config = PrefetchConfig.from_file(path)
     except ValueError as exc:
         names = {str(path), "config", *FIELDS}
-        names |= set(_top_keys(raw))
+        names |= set(toml_keys(raw))
         assert_names_what_to_fix(exc, names)
     else:
         assert_usable(config)
     finally:
         path.unlink()
-
-
-def _top_keys(raw: bytes) -> list[str]:
-    """The keys of the table ``from_file`` reads (for the names a message may start with)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - exercised on 3.10 only
-        import tomli as tomllib
-
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        return []
-    table = doc.get("lmprefetch", doc)
-    return list(table) if isinstance(table, dict) else []
 
 
 _env_names = weighted(
@@ -228,7 +189,7 @@ def test_from_env_succeeds_or_names_the_variable_or_the_field(
     except ValueError as exc:
         names = {*environ, str(path), environ.get("LMPREFETCH_CONFIG", ""), "config", *FIELDS}
         if toml is not None:
-            names |= set(_top_keys(toml.encode("utf-8", "surrogatepass")))
+            names |= set(toml_keys(toml.encode("utf-8", "surrogatepass")))
         assert_names_what_to_fix(exc, names)
     else:
         assert_usable(config)

@@ -213,8 +213,11 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 received = kinds["request"] + kinds["invalid"] + 1
                 assert stats["cleanups_received"] == kinds["cleanup"]
                 assert stats["requests_received"] == received
-                assert stats["messages_malformed"] == kinds["malformed"] + kinds["invalid"]
                 assert stats["requests_accepted"] + stats["requests_stale"] == received
+                # A stale request is dropped before it is checked (the receive-path test
+                # checks which, frame by frame).
+                most_malformed = kinds["malformed"] + kinds["invalid"]
+                assert 0 <= most_malformed - stats["messages_malformed"] <= stats["requests_stale"]
                 # Every lookup still running or held answers now (a cancelled one: 0).
                 engine.cancel_all()
                 await engine.wait_quiet()
