@@ -349,6 +349,23 @@ async def test_opens_on_a_full_file_system_and_serves_what_it_holds(
                     pass
 
 
+async def test_a_file_whose_name_is_not_utf8_is_foreign_and_the_tier_opens(
+    tmp_path: Path,
+) -> None:
+    """Found by fuzzing file names: a name that is not UTF-8 but otherwise looks like a key
+    (os.scandir gives it lone surrogates) raised UnicodeEncodeError out of the directory scan,
+    so no worker could open a disk_path holding it (a shared one, say)."""
+    stray = trio.Path(
+        os.fsdecode(os.fsencode(tmp_path) + b"/\xff@1@0@0000000000000001@bfloat16.kv")
+    )
+    await stray.write_bytes(b"x")
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            assert len(tier) == 0
+            assert tier.foreign_files == 1
+    assert await stray.exists()  # not ours: left alone
+
+
 # -- capacity and eviction (D02) -------------------------------------------------------------
 async def test_d02_eviction_is_lru_unpinned_and_works_again_after_unpin(
     tmp_path: Path, arena: Arena

@@ -184,10 +184,11 @@ def parse_name(name: str) -> ChunkKey | None:
     text = name[: -len(FILE_SUFFIX)]
     try:
         key = ChunkKey.from_string(text)
-    except ValueError:
+        # Only the canonical spelling is ours: two names must never map to one key.
+        canonical = key.to_string()
+    except ValueError:  # UnicodeEncodeError too: a name that is not UTF-8 is not ours
         return None
-    # Only the canonical spelling is ours: two names must never map to one key.
-    return key if key.to_string() == text else None
+    return key if canonical == text else None
 
 
 def address(view: memoryview) -> int:
