@@ -13,6 +13,9 @@
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
 * ``chaos``   — worker processes killed and paused, chunk files damaged, the disk full, one
   client from 8 threads, for a few minutes; figures into ``docs/reliability.md`` (not in ``ci``).
+* ``fuzz``    — coverage-guided fuzzing (atheris) of wire frames, the server's receive path,
+  config files and the disk tier's files for a fixed time, then the Hypothesis fuzz tests at
+  20 times their examples (not part of ``ci``; ``nox -s fuzz -- 300``: 300 s per target).
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -184,6 +187,54 @@ def bench(session: nox.Session) -> None:
     session.run("python", "examples/bench_engine.py")
     if shutil.which("redis-server") is not None:
         session.run("python", "examples/bench_redis.py")
+
+
+FUZZ_TARGETS = (
+    "worker_frame", "response_frame", "server_frames", "config_toml", "chunk_file", "chunk_name",
+)  # fmt: skip
+
+
+@nox.session(python="3.11")
+def fuzz(session: nox.Session) -> None:
+    """Coverage-guided fuzzing (atheris) of every target in ``tests/fuzz/`` for a fixed time,
+    then the Hypothesis fuzz tests with 20 times their examples; fails if anything crashed.
+
+    ``nox -s fuzz -- [SECONDS] [merge]``: seconds per target (default 60, or
+    ``$LMPREFETCH_FUZZ_SECONDS``); ``merge`` adds the inputs that reached new code to
+    ``tests/fuzz/corpus/``.  A crashing input is written to ``tests/fuzz/crashes/<target>/``,
+    which the suite replays from then on: fix the bug and keep the file.
+    """
+    numbers = [a for a in session.posargs if a.isdigit()]
+    seconds = int(numbers[0]) if numbers else int(os.environ.get("LMPREFETCH_FUZZ_SECONDS", 60))
+    session.install("-e", ".[test]", "atheris")
+    crashes = HERE / "tests" / "fuzz" / "crashes"
+    before = {p for p in crashes.rglob("*") if p.is_file()}
+    work = Path(session.create_tmp()) / "fuzz-corpus"  # grows from run to run
+    for target in FUZZ_TARGETS:
+        (work / target).mkdir(parents=True, exist_ok=True)
+        # libFuzzer's own exit status is not trusted: a new file under crashes/ is the verdict.
+        session.run(
+            "python", "tests/fuzz/run_atheris.py", target, f"-max_total_time={seconds}",
+            "-timeout=60", "-rss_limit_mb=4096", "-print_final_stats=1", str(work / target),
+            success_codes=list(range(256)),
+        )  # fmt: skip
+        if "merge" in session.posargs:
+            session.run(
+                "python", "tests/fuzz/run_atheris.py", target, "-merge=1", str(work / target)
+            )
+    found = sorted(str(p) for p in crashes.rglob("*") if p.is_file() and p not in before)
+    if found:
+        session.error("the fuzzers found crashes (see above): " + ", ".join(found))
+    session.env["LMPREFETCH_FUZZ_SCALE"] = os.environ.get("LMPREFETCH_FUZZ_SCALE", "20")
+    fuzz_tests = (
+        "test_fuzz_wire.py", "test_fuzz_config_cli.py", "test_fuzz_disk.py",
+        "test_fuzz_regressions.py",
+    )  # fmt: skip
+    # (No faulthandler dump: at 20 times the examples a test may well run past two minutes.)
+    _pytest(
+        session, "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0",
+        *(f"tests/{t}" for t in fuzz_tests),
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")

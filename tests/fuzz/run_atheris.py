@@ -164,7 +164,9 @@ def main() -> None:
     corpus = ROOT / "tests" / "fuzz" / "corpus" / TARGET
     args = [a for a in sys.argv[2:] if a.startswith("-")]
     dirs = [a for a in sys.argv[2:] if not a.startswith("-")]
-    argv = [sys.argv[0], f"-artifact_prefix={crashes}{os.sep}", *args, *dirs, str(corpus)]
+    # New inputs go to the first directory: never the checked-in corpus, unless merging into it.
+    dirs = [str(corpus), *dirs] if "-merge=1" in args else [*dirs, str(corpus)]
+    argv = [sys.argv[0], f"-artifact_prefix={crashes}{os.sep}", *args, *dirs]
     check, close = targets.runner(TARGET)
 
     def test_one_input(data: bytes) -> None:

@@ -18,7 +18,7 @@ from lmprefetch.protocol import (
     encode,
 )
 
-from .targets import CHUNK, RANK, join_frames, stored_prompts
+from .targets import CHUNK, CHUNK_KEY, CHUNK_SLOT_BYTES, RANK, join_frames, stored_prompts
 
 CORPUS = Path(__file__).parent / "corpus"
 
@@ -70,6 +70,46 @@ def response_seeds() -> dict[str, bytes]:
     }
 
 
+def chunk_file_seeds() -> dict[str, bytes]:
+    """Chunk files as the disk tier writes them: for the key the check reads, for another
+    key, and too large for the buffer."""
+    import tempfile
+
+    from lmprefetch.tiers import chunkfile
+
+    def written(key: bytes, payload: bytes) -> bytes:
+        with tempfile.TemporaryDirectory() as tmp:
+            final = f"{tmp}/chunk.kv"
+            chunkfile.write_file(final, final + ".tmp", key, memoryview(payload))
+            with open(final, "rb") as f:
+                return f.read()
+
+    key = CHUNK_KEY.to_string().encode()
+    other = CHUNK_KEY._replace(rank=1).to_string().encode()
+    return {
+        "valid": written(key, bytes(range(40))),
+        "valid-empty": written(key, b""),
+        "valid-full": written(key, b"\xff" * CHUNK_SLOT_BYTES),
+        "other-key": written(other, bytes(range(40))),
+        "too-large": written(key, b"x" * (CHUNK_SLOT_BYTES + 1)),
+        "header-only": written(key, b"")[: chunkfile.HEADER_BYTES - 1],
+    }
+
+
+def chunk_name_seeds() -> dict[str, bytes]:
+    from lmprefetch.tiers import chunkfile
+
+    names = {
+        "plain": CHUNK_KEY.to_string(),
+        "layer": CHUNK_KEY._replace(layer=3).to_string(),
+        "negative-hash": CHUNK_KEY._replace(chunk_hash=-1).to_string(),
+        "quoted-model": CHUNK_KEY._replace(model_name="org/m%1").to_string(),
+    }
+    out = {name: (text + chunkfile.FILE_SUFFIX).encode() for name, text in names.items()}
+    out["temp"] = (names["plain"] + chunkfile.TEMP_SUFFIX).encode()
+    return out
+
+
 def seeds() -> dict[str, dict[str, bytes]]:
     """Target → seed name → input."""
     requests, responses = request_seeds(), response_seeds()
@@ -101,6 +141,8 @@ def seeds() -> dict[str, dict[str, bytes]]:
             ),
             "wrong": b"chunk_size = 'x'\n[other]\na = [1, {b = 2}]\n",
         },
+        "chunk_file": chunk_file_seeds(),
+        "chunk_name": chunk_name_seeds(),
     }
 
 

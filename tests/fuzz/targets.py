@@ -15,6 +15,8 @@ Targets (each one a directory name under ``corpus/`` and ``crashes/``):
   fed to ``LookupServer._handle`` on a live in-process engine with cached data, then the
   server's counters, its answers and the engine's conservation invariant are checked.
 * ``config_toml`` — :func:`check_config_toml`: the bytes of a config file.
+* ``chunk_file`` — :func:`check_chunk_file`: the bytes of a disk-tier chunk file.
+* ``chunk_name`` — :func:`check_chunk_name`: a file name in the disk tier's directory.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from typing import Any
 
 import msgspec
 import trio
+import xxhash
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from lmprefetch import PrefetchConfig
+from lmprefetch.keys import ChunkKey
 from lmprefetch.prefetch import Engine, open_engine
 from lmprefetch.protocol import (
     LookupCleanupMsg,
@@ -53,6 +57,8 @@ __all__ = [
     "Outcome",
     "assert_names_what_to_fix",
     "assert_usable",
+    "check_chunk_file",
+    "check_chunk_name",
     "check_config_toml",
     "check_response_frame",
     "check_worker_frame",
@@ -313,8 +319,6 @@ def assert_names_what_to_fix(exc: ValueError, names: set[str]) -> None:
 
 def assert_usable(config: PrefetchConfig) -> None:
     """A config that validated can be used: its text goes into keys, paths and URLs."""
-    from lmprefetch.keys import ChunkKey
-
     key = ChunkKey(config.model_name, 1, 0, 2**64 - 1, config.kv_dtype, 3)
     key.to_string().encode("utf-8")
     assert ChunkKey.from_string(key.to_string()) == key
@@ -344,12 +348,17 @@ def toml_keys(raw: bytes) -> list[str]:
 _scratch: list[Path] = []
 
 
+def _scratch_dir() -> Path:
+    """A directory for the files the checks write (one per process, reused)."""
+    if not _scratch:
+        _scratch.append(Path(tempfile.mkdtemp(prefix="lmprefetch-fuzz-")))
+    return _scratch[0]
+
+
 def check_config_toml(data: bytes) -> None:
     """A config file with these bytes loads into a usable config, or is a one-line
     ``ValueError`` naming the file or the field to fix."""
-    if not _scratch:
-        _scratch.append(Path(tempfile.mkdtemp(prefix="lmprefetch-fuzz-")))
-    path = _scratch[0] / "config.toml"
+    path = _scratch_dir() / "config.toml"
     path.write_bytes(data)
     try:
         config = PrefetchConfig.from_file(path)
@@ -359,12 +368,56 @@ def check_config_toml(data: bytes) -> None:
         assert_usable(config)
 
 
+# -- a chunk file of the disk tier --------------------------------------------------------------
+#: The key every fuzzed chunk file is read back as, and the buffer it is read into.
+CHUNK_KEY = ChunkKey("model", 1, 0, 2**64 - 1, "bfloat16")
+CHUNK_SLOT_BYTES = 64
+
+
+def check_chunk_file(data: bytes) -> None:
+    """A file with these bytes, read back by the disk tier as :data:`CHUNK_KEY`, is either a
+    well-formed chunk file for that key whose whole payload (checksum verified) lands in the
+    buffer, or a ``ChunkMiss`` (corrupt, another key's, too large): never an exception of
+    another kind, never garbage."""
+    from lmprefetch.tiers import chunkfile
+
+    path = _scratch_dir() / f"{CHUNK_KEY.to_string()}{chunkfile.FILE_SUFFIX}"
+    path.write_bytes(data)
+    slot = bytearray(CHUNK_SLOT_BYTES)
+    key_bytes = CHUNK_KEY.to_string().encode()
+    try:
+        n = chunkfile.read_buffered(str(path), key_bytes, memoryview(slot))
+    except chunkfile.ChunkMiss:
+        return
+    head = chunkfile.HEADER.unpack_from(data, 0)
+    assert head[:3] == (chunkfile.MAGIC, chunkfile.VERSION, chunkfile.HEADER_BYTES), head
+    payload = data[chunkfile.HEADER_BYTES :]
+    assert head[3] == n == len(payload) <= CHUNK_SLOT_BYTES, (head, n)
+    assert head[4] == xxhash.xxh3_64_intdigest(payload)
+    start = chunkfile.HEADER.size
+    assert head[5] == len(key_bytes) and data[start : start + head[5]] == key_bytes
+    assert bytes(slot[:n]) == payload
+
+
+def check_chunk_name(data: bytes) -> None:
+    """A file name in the disk tier's directory (any bytes, as ``os.scandir`` gives them) is
+    either the canonical name of a key, or not one of ours: never an exception."""
+    from lmprefetch.tiers import chunkfile
+
+    name = data.decode("utf-8", "surrogateescape")
+    key = chunkfile.parse_name(name)
+    if key is not None:
+        assert key.to_string() + chunkfile.FILE_SUFFIX == name, (key, name)
+
+
 #: Target name → the check of one input (the server target needs a harness: see ``runner``).
 TARGETS: dict[str, Callable[[bytes], object] | None] = {
     "worker_frame": check_worker_frame,
     "response_frame": check_response_frame,
     "server_frames": None,
     "config_toml": check_config_toml,
+    "chunk_file": check_chunk_file,
+    "chunk_name": check_chunk_name,
 }
 
 
