@@ -231,9 +231,9 @@ def fuzz(session: nox.Session) -> None:
         "test_fuzz_regressions.py",
     )  # fmt: skip
     # (No faulthandler dump: at 20 times the examples a test may well run past two minutes.)
-    _pytest(
-        session, "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0",
-        *(f"tests/{t}" for t in fuzz_tests),
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0",
+        "--hypothesis-show-statistics", *(f"tests/{t}" for t in fuzz_tests),
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,16 @@ def main() -> None:
     corpus = ROOT / "tests" / "fuzz" / "corpus" / TARGET
     args = [a for a in sys.argv[2:] if a.startswith("-")]
     dirs = [a for a in sys.argv[2:] if not a.startswith("-")]
-    # New inputs go to the first directory: never the checked-in corpus, unless merging into it.
-    dirs = [str(corpus), *dirs] if "-merge=1" in args else [*dirs, str(corpus)]
-    argv = [sys.argv[0], f"-artifact_prefix={crashes}{os.sep}", *args, *dirs]
+    # libFuzzer starts argv[0] again through the shell for -merge and -fork: make it a
+    # command line that runs this script, for this target, with this interpreter.
+    script = os.path.abspath(sys.argv[0])
+    program = " ".join(shlex.quote(a) for a in (sys.executable, script, TARGET))
+    if any(a.startswith("-merge_inner") for a in args):  # such a child: as libFuzzer says
+        argv = [program, *sys.argv[2:]]
+    else:
+        # New inputs go to the first directory: never the checked-in corpus, unless merging.
+        dirs = [str(corpus), *dirs] if "-merge=1" in args else [*dirs, str(corpus)]
+        argv = [program, f"-artifact_prefix={crashes}{os.sep}", *args, *dirs]
     check, close = targets.runner(TARGET)
 
     def test_one_input(data: bytes) -> None:
