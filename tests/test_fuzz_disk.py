@@ -71,11 +71,29 @@ def _header_edits(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
+@st.composite
+def _payload_edits(draw: st.DrawFn) -> bytes:
+    """A valid file with one payload byte changed, or the payload cut or extended (a torn or
+    bit-flipped write): the checksum or the length must catch it."""
+    data = bytearray(draw(_files))
+    end = chunkfile.HEADER_BYTES
+    how = draw(st.sampled_from(["flip", "cut", "extend"]))
+    if how == "flip" and len(data) > end:
+        i = draw(st.integers(end, len(data) - 1))
+        data[i] ^= 1 << draw(st.integers(0, 7))
+    elif how == "cut":
+        del data[draw(st.integers(end, len(data))) :]
+    else:
+        data += draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
 @fuzz_settings(200)
 @given(
     weighted(
         (2, _files),
-        (3, mutated(_files)),
+        (2, mutated(_files)),
+        (2, _payload_edits()),
         (2, _header_edits()),
         (1, _files.map(lambda f: f + b"\0")),
         (1, st.binary(max_size=64)),
