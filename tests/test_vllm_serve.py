@@ -37,7 +37,7 @@ from lmprefetch.bench_serve.client import (  # noqa: E402
     metrics_delta,
     scrape_metrics,
 )
-from lmprefetch.bench_serve.model import TINY_LLAMA, kv_bytes_per_token, write_model  # noqa: E402
+from lmprefetch.bench_serve.model import TINY_LLAMA, kv_bytes_per_token  # noqa: E402
 from lmprefetch.bench_serve.procs import ManagedProcess, ProcessSet, free_port  # noqa: E402
 from lmprefetch.bench_serve.run import base_env, server_argv  # noqa: E402
 
@@ -58,6 +58,11 @@ SHARED = [(i * 37) % 991 + 3 for i in range(192)]
 P1 = [*SHARED, 5, 6, 7, 8, 9, 10, 11, 12]  # 200 tokens: 3 whole chunks
 P2 = SHARED + [(i * 11) % 991 + 3 for i in range(90)]  # 282 tokens: 4 whole chunks
 P3 = [(i * 13) % 991 + 3 for i in range(200)]  # 200 tokens: 3 whole chunks
+#: Prompts that together fill vLLM's whole KV pool (POOL_TOKENS) more than once, so that no
+#: block still holds a previous request's KV: what a later request finds in its blocks is
+#: what was computed or loaded for it.
+POOL_TOKENS = 2048
+FILLERS = [[(i * 17 + k) % 991 + 3 for i in range(960)] for k in range(3)]
 
 
 def whole_chunks(prompt: Sequence[int]) -> int:
@@ -99,12 +104,27 @@ class Server:
                 await trio.sleep(0.05)
 
 
+def write_random_llama(directory: Path) -> Path:
+    """TINY_LLAMA with real random weights (transformers' initialisation, normal with std
+    0.02), written as safetensors.  vLLM's dummy weights (uniform in +-1e-3) make the attention
+    output so small that the generated tokens hardly depend on the KV cache: a KV copy that
+    was skipped or went to the wrong blocks would go unnoticed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 @asynccontextmanager
 async def vllm_servers(
     tmp: Path, configs: Sequence[dict[str, Any] | None]
 ) -> AsyncIterator[list[Server]]:
     """One vLLM server per entry of ``configs`` (a ``--kv-transfer-config``, or None)."""
-    model = write_model(tmp / "model", TINY_LLAMA)
+    model = write_random_llama(tmp / "model")
     async with trio.open_nursery() as nursery:
         procs = ProcessSet(nursery)
         servers = []
@@ -117,9 +137,10 @@ async def vllm_servers(
                     port,
                     max_model_len=1024,
                     block_size=BLOCK,
-                    kv_pool_bytes=2048 * kv_bytes_per_token(TINY_LLAMA),
+                    kv_pool_bytes=POOL_TOKENS * kv_bytes_per_token(TINY_LLAMA),
                     prefix_caching=False,
                     kv_transfer_config=config,
+                    load_format="safetensors",
                 )
                 proc = ManagedProcess(
                     f"server {i}", argv, base_env(tmp), "Application startup complete", cwd=tmp
@@ -164,12 +185,17 @@ async def test_same_tokens_with_and_without_lmprefetch_and_repeats_served_from_i
     tmp_path: Path,
 ) -> None:
     async with vllm_servers(tmp_path, [None, connector_config()]) as (plain, cached):
-        before = await scrape_metrics(cached.client)
         rounds: dict[str, list[list[Completion]]] = {"plain": [], "cached": []}
+        deltas = []
         for _ in range(2):
+            before = await scrape_metrics(cached.client)
             for name, server in (("plain", plain), ("cached", cached)):
                 rounds[name].append([await server.complete(p) for p in (P1, P2)])
-        delta = await cached.metrics_after(before, 4)
+            deltas.append(await cached.metrics_after(before, 2))
+            for server in (plain, cached):
+                for filler in FILLERS:
+                    await server.complete(filler)
+        delta = {k: deltas[0][k] + deltas[1][k] for k in deltas[0]}
 
     reference = [c.output_ids for c in rounds["plain"][0]]
     assert all(len(ids) == 8 for ids in reference)

