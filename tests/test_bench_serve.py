@@ -278,4 +278,5 @@ def test_scenario_names_are_the_issues() -> None:
         "lmprefetch_disk_restart",
         "shared_redis",
         "lmcache",
+        "lmcache_mp",
     )

@@ -17,9 +17,10 @@ One command (``lmprefetch bench-serve``; ``--quick`` for a reduced run of a few 
 
 The scenarios (:data:`.run.SCENARIOS`): ``recompute`` (no connector, prefix caching off),
 ``apc`` (vLLM's prefix caching), ``lmprefetch_cpu``, ``lmprefetch_disk_restart`` (the server
-restarted between rounds), ``shared_redis`` (two servers and one Redis, requests alternating)
-and ``lmcache`` (LMCache's ``LMCacheConnectorV1``, in the environment of ``--lmcache-python``;
-reported with the reason when it cannot run).
+restarted between rounds), ``shared_redis`` (two servers and one Redis, requests alternating),
+``lmcache`` (LMCache's in-process ``LMCacheConnectorV1``) and ``lmcache_mp`` (LMCache's
+``LMCacheMPConnector`` with an ``lmcache server`` process), both in the environment of
+``--lmcache-python`` and reported with the reason when they cannot run.
 
 Every process is started in its own session and stopped by its own process group
 (:mod:`.procs`); every file (model, disk tier, Redis directory, vLLM's sockets) lives in one

@@ -24,7 +24,9 @@ class Scenario:
         name: the key in the results.
         title: one line for the table.
         prefix_caching: vLLM's own prefix cache on.
-        connector: ``"lmprefetch"`` or ``"lmcache"`` (LMCache's ``LMCacheConnectorV1``).
+        connector: ``"lmprefetch"``, ``"lmcache"`` (LMCache's in-process
+            ``LMCacheConnectorV1``) or ``"lmcache_mp"`` (LMCache's ``LMCacheMPConnector`` with
+            an ``lmcache server`` process, the direction LMCache is taking).
         tier: lmprefetch's tier beside the CPU tier: ``"disk"`` or ``"redis"``.
         servers: how many vLLM servers (requests alternate between two).
         restart_between_rounds: stop and start the server between rounds.
@@ -67,6 +69,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         probe="redis",
     ),
     Scenario("lmcache", "prefix caching + LMCache 0.5.6 LMCacheConnectorV1", connector="lmcache"),
+    Scenario(
+        "lmcache_mp",
+        "prefix caching + LMCache 0.5.6 multi-process server (LMCacheMPConnector), CPU memory",
+        connector="lmcache_mp",
+        probe="cpu",
+    ),
 )
 SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
 

@@ -8,7 +8,7 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
                       "gen_tok_per_s": …, "hit_tokens": …, "hit_tokens_metrics": …,
                       "speedup_vs_recompute": …, "speedup_vs_apc": …, "chat": {…}, …},
         "apc": {…}, "lmprefetch_cpu": {…, "probe": {…}}, "lmprefetch_disk_restart": {…},
-        "shared_redis": {…}, "lmcache": {… or "error": "…"}},
+        "shared_redis": {…}, "lmcache": {… or "error": "…"}, "lmcache_mp": {…}},
      "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
 
@@ -264,26 +264,28 @@ def format_report(summary: dict[str, Any]) -> str:
         lines += [
             "",
             f"Same prompt, back to back on one server ({s['probes']} prompts of "
-            f"{s['probe_tokens']:,} tokens; medians): a hit from an lmprefetch tier, then "
+            f"{s['probe_tokens']:,} tokens; medians): a hit from the connector's tier, then "
             "vLLM's own prefix-cache hit; ratio = median over the pairs.",
             "Where the time goes (vLLM's histograms): queue = arrival to first step (incl. the "
             "connector's lookup), prefill = first step to first token (incl. the KV load).",
-            f"  {'tier (how)':<27}{'cold':>9}{'vLLM hit':>10}{'tier hit':>10}{'ratio':>7}"
-            f"{'  vLLM hit: queue+prefill':<27}{'tier hit: queue+prefill':<25}tier tokens",
+            f"  {'scenario (tier, how)':<38}{'cold':>9}{'tier hit':>10}{'vLLM hit':>10}"
+            f"{'ratio':>7}  {'tier hit: queue+prefill':<25}{'vLLM hit: queue+prefill':<25}"
+            "tokens from the tier",
         ]
         how = {
-            "cpu": "cpu (vLLM cache reset)",
-            "disk": "disk (server restarted)",
-            "redis": "redis (other server)",
+            "cpu": "CPU, vLLM cache reset",
+            "disk": "disk, server restarted",
+            "redis": "Redis, other server",
         }
-        for _name, p in probes:
+        for name, p in probes:
             apc, tier = p["apc_hit"], p["tier_hit"]
             served = min(tier["cached_tokens"], default=0)
+            label = f"{name} ({how.get(p['kind'], p['kind'])})"
             lines.append(
-                f"  {how.get(p['kind'], p['kind']):<27}{_ms(p['cold_ttft_ms']):>9}"
-                f"{_ms(apc['ttft_ms']):>10}{_ms(tier['ttft_ms']):>10}{_x(p['tier_vs_apc']):>7}"
-                f"  {_ms(apc['queue_ms']) + ' + ' + _ms(apc['prefill_ms']):<25}"
-                f"{_ms(tier['queue_ms']) + ' + ' + _ms(tier['prefill_ms']):<25}"
+                f"  {label:<38}{_ms(p['cold_ttft_ms']):>9}"
+                f"{_ms(tier['ttft_ms']):>10}{_ms(apc['ttft_ms']):>10}{_x(p['tier_vs_apc']):>7}"
+                f"  {_ms(tier['queue_ms']) + ' + ' + _ms(tier['prefill_ms']):<25}"
+                f"{_ms(apc['queue_ms']) + ' + ' + _ms(apc['prefill_ms']):<25}"
                 f"min {served} of {p['full_hit_tokens']}"
             )
     lines += ["", "Goals (benchmark figures, not tests):"]

@@ -468,21 +468,23 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
     kv_config: dict[str, Any] | None = None
     notes: dict[str, Any] = {}
     scenario_tmp = Path(tempfile.mkdtemp(prefix=f"{sc.name}-", dir=ctx.tmp))
-    if sc.connector == "lmcache":
+    if sc.connector in ("lmcache", "lmcache_mp"):
         python = opts.lmcache_python or opts.python
         notes["versions"] = await _lmcache_preflight(python)
-        kv_config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
         prom = scenario_tmp / "prometheus"
         prom.mkdir()
-        extra_env = {
-            "LMCACHE_CHUNK_SIZE": str(opts.chunk_size),
-            "LMCACHE_LOCAL_CPU": "True",
-            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{opts.cpu_bytes / GiB:g}",
+        # LMCache writes its metrics under /tmp unless told otherwise; no usage reports.
+        extra_env = {"PROMETHEUS_MULTIPROC_DIR": str(prom), "LMCACHE_TRACK_USAGE": "false"}
+    if sc.connector == "lmcache":
+        kv_config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+        extra_env.update(
+            LMCACHE_CHUNK_SIZE=str(opts.chunk_size),
+            LMCACHE_LOCAL_CPU="True",
+            LMCACHE_MAX_LOCAL_CPU_SIZE=f"{opts.cpu_bytes / GiB:g}",
             # Scheduler and worker are separate processes: LMCache's default prefix hash is
             # Python's hash(), so fix its seed.
-            "PYTHONHASHSEED": "0",
-            "PROMETHEUS_MULTIPROC_DIR": str(prom),
-        }
+            PYTHONHASHSEED="0",
+        )
     async with trio.open_nursery() as nursery:
         procs = ProcessSet(nursery)
         try:
@@ -492,6 +494,16 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
             if sc.connector == "lmprefetch":
                 disk = scenario_tmp / "disk" if sc.tier == "disk" else None
                 kv_config = lmprefetch_kv_config(opts, disk_path=disk, redis_url=redis_url)
+            elif sc.connector == "lmcache_mp":
+                port = await _start_lmcache_server(procs, ctx, python, extra_env, scenario_tmp)
+                kv_config = {
+                    "kv_connector": "LMCacheMPConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "lmcache.mp.host": "tcp://127.0.0.1",
+                        "lmcache.mp.port": port,
+                    },
+                }
             outcome = await _run_scenario_body(
                 ctx, sc, procs, python, kv_config, extra_env, notes, redis_url
             )
@@ -503,6 +515,29 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
         finally:
             await procs.stop_all()
     return outcome
+
+
+async def _start_lmcache_server(
+    procs: ProcessSet, ctx: Context, python: str, env_extra: dict[str, str], tmp: Path
+) -> int:
+    """Start ``lmcache server`` (LMCache's multi-process cache server) on loopback with a CPU
+    memory pool the size of lmprefetch's CPU tier; returns its port."""
+    opts = ctx.opts
+    port, http_port = free_port(), free_port()
+    argv = [
+        python, "-c", "import sys; from lmcache.cli.main import main; sys.exit(main())",
+        "server", "--host", "127.0.0.1", "--port", str(port),
+        "--http-host", "127.0.0.1", "--http-port", str(http_port),
+        "--chunk-size", str(opts.chunk_size), "--l1-size-gb", f"{opts.cpu_bytes / GiB:g}",
+        "--eviction-policy", "LRU",
+        # "auto": the CPU worker's registration is rejected under the default mode.
+        "--supported-transfer-mode", "auto",
+    ]  # fmt: skip
+    env = base_env(ctx.tmp)
+    env.update(env_extra, LMCACHE_DISABLE_BANNER="1")
+    proc = ManagedProcess("lmcache server", argv, env, "LMCache cache server is running", cwd=tmp)
+    await procs.start(proc, ctx.opts.startup_timeout_s)
+    return port
 
 
 async def _start_redis(procs: ProcessSet, ctx: Context, tmp: Path) -> str:
