@@ -306,6 +306,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     names = [sc.name for sc in SCENARIOS if sc.name in summary["scenarios"]]
@@ -338,6 +339,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
         bars.set_xticklabels(ok, rotation=20, ha="right", fontsize=8)
         bars.axhline(1.0, color="grey", linewidth=0.8)
         bars.set_yscale("log")
+        for axis_formatter in (bars.yaxis.set_major_formatter, bars.yaxis.set_minor_formatter):
+            axis_formatter(FormatStrFormatter("%gx"))
         bars.set_ylabel("TTFT p50 speed-up (x, log scale)")
         bars.set_title(f"{titles[workload]}: speed-up of the median TTFT")
         bars.legend(fontsize=8)
