@@ -39,7 +39,7 @@ from lmprefetch.bench_serve.client import (  # noqa: E402
 )
 from lmprefetch.bench_serve.model import TINY_LLAMA, kv_bytes_per_token  # noqa: E402
 from lmprefetch.bench_serve.procs import ManagedProcess, ProcessSet, free_port  # noqa: E402
-from lmprefetch.bench_serve.run import base_env, server_argv  # noqa: E402
+from lmprefetch.bench_serve.run import base_env, private_dirs, server_argv  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -125,7 +125,7 @@ async def vllm_servers(
 ) -> AsyncIterator[list[Server]]:
     """One vLLM server per entry of ``configs`` (a ``--kv-transfer-config``, or None)."""
     model = write_random_llama(tmp / "model")
-    async with trio.open_nursery() as nursery:
+    async with private_dirs() as (_, runtime), trio.open_nursery() as nursery:
         procs = ProcessSet(nursery)
         servers = []
         try:
@@ -143,7 +143,7 @@ async def vllm_servers(
                     load_format="safetensors",
                 )
                 proc = ManagedProcess(
-                    f"server {i}", argv, base_env(tmp), "Application startup complete", cwd=tmp
+                    f"server {i}", argv, base_env(runtime), "Application startup complete", cwd=tmp
                 )
                 await procs.start(proc, STARTUP_TIMEOUT_S)
                 client = httpx.AsyncClient(
@@ -262,7 +262,11 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
     tmpdir.mkdir()
     out = tmp_path / "result.json"
     figure = tmp_path / "figure.png"
+    # A long TMPDIR: the servers' sockets must still fit a Unix socket path (they then go to a
+    # short private directory in /tmp, removed like the rest).
     env = dict(os.environ, TMPDIR=str(tmpdir))
+    assert len(str(tmpdir)) > 60
+    short_dirs_before = set(Path("/tmp").glob("lmpbs-*"))
     argv = [
         sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress",
         "--json", str(out), "--plot", str(figure),
@@ -273,6 +277,7 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Nothing left: no file in the temporary directory, no process started with its model.
     assert list(tmpdir.iterdir()) == []
+    assert set(Path("/tmp").glob("lmpbs-*")) <= short_dirs_before
     leftovers = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

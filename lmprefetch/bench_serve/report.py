@@ -324,7 +324,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{titles[workload]}: TTFT CDF")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ok:
+            ax.legend(fontsize=8)
         bars = axes[1][col]
         width = 0.38
         xs = range(len(ok))
@@ -343,7 +344,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
             axis_formatter(FormatStrFormatter("%gx"))
         bars.set_ylabel("TTFT p50 speed-up (x, log scale)")
         bars.set_title(f"{titles[workload]}: speed-up of the median TTFT")
-        bars.legend(fontsize=8)
+        if ok:
+            bars.legend(fontsize=8)
     fig.suptitle(f"lmprefetch bench-serve: {describe(summary['settings']['model'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,16 @@ from .options import SCENARIOS, Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
 from .workloads import Request, chat_rounds, long_doc_rounds, probe_prompts
 
-__all__ = ["Context", "ProbeResult", "Server", "WorkloadStats", "run_bench_serve"]
+__all__ = [
+    "Context",
+    "ProbeResult",
+    "Server",
+    "WorkloadStats",
+    "base_env",
+    "private_dirs",
+    "run_bench_serve",
+    "server_argv",
+]
 
 GiB = 1 << 30
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -119,6 +129,7 @@ class Context:
 
     opts: ServeBenchOptions
     tmp: Path
+    runtime_dir: Path
     model_dir: Path
     long_doc: list[list[Request]]
     chat: list[list[Request]]
@@ -128,7 +139,8 @@ class Context:
 
 def base_env(tmp: Path) -> dict[str, str]:
     """The environment of every server: the CPU platform, offline, loopback only, and every
-    temporary file inside ``tmp`` (vLLM's ipc sockets and caches included)."""
+    temporary file inside ``tmp`` (vLLM's ipc sockets and caches included: keep its path
+    short, see :func:`private_dirs`)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.update(
@@ -225,7 +237,7 @@ async def start_server(
         prefix_caching=prefix_caching,
         kv_transfer_config=kv_transfer_config,
     )
-    env = base_env(ctx.tmp)
+    env = base_env(ctx.runtime_dir)
     env.update(extra_env or {})
     proc = ManagedProcess(name, argv, env, "Application startup complete", cwd=ctx.tmp)
     t0 = time.perf_counter()
@@ -533,7 +545,7 @@ async def _start_lmcache_server(
         # "auto": the CPU worker's registration is rejected under the default mode.
         "--supported-transfer-mode", "auto",
     ]  # fmt: skip
-    env = base_env(ctx.tmp)
+    env = base_env(ctx.runtime_dir)
     env.update(env_extra, LMCACHE_DISABLE_BANNER="1")
     proc = ManagedProcess("lmcache server", argv, env, "LMCache cache server is running", cwd=tmp)
     await procs.start(proc, ctx.opts.startup_timeout_s)
@@ -716,14 +728,28 @@ def _machine() -> dict[str, Any]:
     }
 
 
+#: Unix socket paths are limited to 107 bytes, and vLLM names its ipc sockets with 36-character
+#: ids in its temporary directory: the servers' temporary directory must have a short path.
+_MAX_RUNTIME_DIR_CHARS = 40
+
+
 @contextlib.asynccontextmanager
-async def _workdir() -> AsyncIterator[Path]:
-    """A private temporary directory, removed at the end whatever happens."""
+async def private_dirs() -> AsyncIterator[tuple[Path, Path]]:
+    """Two private temporary directories, removed at the end whatever happens: one for the
+    run's files (model, disk tier, Redis), under ``TMPDIR``; one for the servers' own
+    temporary files and sockets, inside the first, or in ``/tmp`` when the first one's path
+    is too long for a socket path."""
     tmp = Path(tempfile.mkdtemp(prefix="lmprefetch-bench-serve-"))
+    runtime = tmp / "rt"
+    if len(str(runtime)) > _MAX_RUNTIME_DIR_CHARS:
+        runtime = Path(tempfile.mkdtemp(prefix="lmpbs-", dir="/tmp"))
+    runtime.mkdir(exist_ok=True)
     try:
-        yield tmp
+        yield tmp, runtime
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with trio.CancelScope(shield=True):
+            for path in (runtime, tmp):
+                await trio.to_thread.run_sync(partial(shutil.rmtree, path, ignore_errors=True))
 
 
 async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
@@ -733,10 +759,11 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     raw: dict[str, Any] = {}
-    async with _workdir() as tmp:
+    async with private_dirs() as (tmp, runtime_dir):
         ctx = Context(
             opts=opts,
             tmp=tmp,
+            runtime_dir=runtime_dir,
             model_dir=write_model(tmp / "model", opts.model),
             long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed),
             chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed),
