@@ -280,3 +280,33 @@ def test_scenario_names_are_the_issues() -> None:
         "lmcache",
         "lmcache_mp",
     )
+
+
+# -- private directories ---------------------------------------------------------------------
+@pytest.mark.parametrize("long_tmpdir", [False, True])
+async def test_private_dirs_keep_socket_paths_short_and_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, long_tmpdir: bool
+) -> None:
+    import shutil
+    import tempfile
+
+    from lmprefetch.bench_serve.run import private_dirs
+
+    if long_tmpdir:
+        base = tmp_path / ("x" * 60)
+        base.mkdir()
+    else:
+        base = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # a short TMPDIR
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    try:
+        async with private_dirs() as (tmp, runtime):
+            assert tmp.parent == base and tmp.is_dir() and runtime.is_dir()
+            # vLLM's socket names are 36 characters: the path must stay within 107 bytes.
+            assert len(str(runtime / ("u" * 36))) < 100
+            assert (runtime.parent == tmp) is not long_tmpdir
+            (tmp / "model").mkdir()
+            (runtime / "sock").write_text("x")
+        assert not tmp.exists() and not runtime.exists()
+    finally:
+        if not long_tmpdir:
+            shutil.rmtree(base)

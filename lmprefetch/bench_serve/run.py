@@ -730,7 +730,7 @@ def _machine() -> dict[str, Any]:
 
 #: Unix socket paths are limited to 107 bytes, and vLLM names its ipc sockets with 36-character
 #: ids in its temporary directory: the servers' temporary directory must have a short path.
-_MAX_RUNTIME_DIR_CHARS = 40
+_MAX_RUNTIME_DIR_CHARS = 60
 
 
 @contextlib.asynccontextmanager
