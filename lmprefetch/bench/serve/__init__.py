@@ -1,0 +1,166 @@
+"""``lmprefetch bench-serve``: time to first token on vLLM's OpenAI server, with and without
+lmprefetch, against vLLM's own prefix cache and LMCache.
+
+One command (``lmprefetch bench-serve``; ``--quick`` for a reduced run of a few minutes) that:
+
+1. writes a small random-weight Llama (:mod:`.model`; nothing is downloaded) into a private
+   temporary directory;
+2. for each scenario, starts vLLM OpenAI servers (the CPU build) on free loopback ports, with
+   prompts as token ids (``--skip-tokenizer-init``), and replays two workloads through a real
+   streaming HTTP client (:mod:`.workloads`, :mod:`.client`): long-document QA whose working
+   set is larger than vLLM's KV pool, and multi-round chat with concurrent users;
+3. times the first streamed token of every request and reads the hit tokens from each answer's
+   ``usage`` and from vLLM's ``/metrics``; probes the same prompt served by vLLM's prefix cache
+   and by each lmprefetch tier, back to back;
+4. prints a table (a progress bar while it runs), the goals beside their figures, and
+   optionally writes ``--json FILE`` and ``--plot FILE.png`` (:mod:`.report`).
+
+The scenarios (:data:`.run.SCENARIOS`): ``recompute`` (no connector, prefix caching off),
+``apc`` (vLLM's prefix caching), ``lmprefetch_cpu``, ``lmprefetch_disk_restart`` (the server
+restarted between rounds), ``shared_redis`` (two servers and one Redis, requests alternating),
+``lmcache`` (LMCache's in-process ``LMCacheConnectorV1``) and ``lmcache_mp`` (LMCache's
+``LMCacheMPConnector`` with an ``lmcache server`` process), both in the environment of
+``--lmcache-python`` and reported with the reason when they cannot run.
+
+Every process is started in its own session and stopped by its own process group
+(:mod:`.procs`); every file (model, disk tier, Redis directory, vLLM's sockets) lives in one
+temporary directory that is removed at the end.  The package imports neither vLLM nor torch:
+the servers are child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .options import SCENARIO_NAMES, ServeBenchOptions
+
+__all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
+
+INSTALL_HINT = "pip install 'lmprefetch[vllm]'"
+
+
+def preflight(python: str = sys.executable, *, plot: bool = False) -> str | None:
+    """What is missing to run bench-serve with ``python`` (one line), or ``None``."""
+    missing = [m for m in ("vllm", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"bench-serve needs {' and '.join(missing)} (vLLM's CPU build): {INSTALL_HINT}"
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'lmprefetch[plot]'"
+    if importlib.util.find_spec("torchvision") is not None:
+        # vLLM imports torchvision when it starts; PyPI's build does not load beside the CPU
+        # torch.  Checked in a child process: it imports torch.
+        done = subprocess.run(
+            [python, "-m", "lmprefetch.integration.torch_companions"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            lines = (done.stdout or done.stderr).strip().splitlines()
+            return lines[-1] if lines else "torchvision cannot be imported beside torch"
+    return None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServeBenchOptions()
+    p.add_argument("--quick", action="store_true", help="a reduced run (a few minutes on 2 cores)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and speed-ups to FILE")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIO_NAMES),
+        help=f"comma-separated subset of: {', '.join(SCENARIO_NAMES)}",
+    )
+    p.add_argument(
+        "--lmcache-python",
+        metavar="PATH",
+        help="python of an environment with LMCache 0.5.6 and vLLM, for the lmcache scenario "
+        "(default: this python)",
+    )
+    p.add_argument("--redis-server", metavar="PATH", help="redis-server binary (default: PATH)")
+    p.add_argument("--rounds", type=int, help=f"rounds per workload (default {d.rounds})")
+    p.add_argument("--docs", type=int, help=f"documents (default {d.long_doc.docs})")
+    p.add_argument(
+        "--doc-tokens", type=int, help=f"tokens per document (default {d.long_doc.doc_tokens})"
+    )
+    p.add_argument("--sessions", type=int, help=f"chat sessions (default {d.chat.sessions})")
+    p.add_argument(
+        "--concurrency", type=int, help=f"chat users at a time (default {d.chat.concurrency})"
+    )
+    p.add_argument(
+        "--kv-pool-tokens", type=int, help=f"vLLM's KV pool in tokens (default {d.kv_pool_tokens})"
+    )
+    p.add_argument("--probes", type=int, help=f"same-prompt probes (default {d.probes})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
+    """The options a command line asks for (``--quick`` is a preset the others adjust)."""
+    opts = ServeBenchOptions.quick_preset() if args.quick else ServeBenchOptions.full()
+    changes: dict[str, Any] = {
+        "scenarios": tuple(s.strip() for s in args.scenarios.split(",") if s.strip()),
+        "lmcache_python": args.lmcache_python,
+        "redis_server": args.redis_server,
+        "seed": args.seed,
+        "progress": not args.no_progress,
+    }
+    for name in ("rounds", "kv_pool_tokens", "probes"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    long_doc, chat = opts.long_doc, opts.chat
+    if args.docs is not None:
+        long_doc = replace(long_doc, docs=args.docs)
+    if args.doc_tokens is not None:
+        long_doc = replace(long_doc, doc_tokens=args.doc_tokens)
+    if args.sessions is not None:
+        chat = replace(chat, sessions=args.sessions)
+    if args.concurrency is not None:
+        chat = replace(chat, concurrency=args.concurrency)
+    changes.update(long_doc=long_doc, chat=chat)
+    opts = replace(opts, **changes)
+    opts.validate()
+    return opts
+
+
+def main(args: argparse.Namespace) -> int:
+    """The command: returns the exit status (2: cannot start; 1: a scenario failed)."""
+    opts = options_from_args(args)  # ValueError: one line, exit 2 (cli.main)
+    problem = preflight(opts.python, plot=bool(args.plot))
+    if problem is not None:
+        print(f"lmprefetch bench-serve: {problem}", file=sys.stderr)
+        return 2
+    # Only now: these need the vllm extra (httpx among it), which preflight checked.
+    import trio
+
+    from .report import exit_status, format_report, plot, summarize
+    from .run import run_bench_serve
+
+    summary = summarize(trio.run(run_bench_serve, opts))
+    print(format_report(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(_finite(summary), indent=1) + "\n")
+        print(f"\nresults written to {args.json}")
+    if args.plot:
+        plot(summary, args.plot)
+        print(f"figure written to {args.plot}")
+    return exit_status(summary)
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a figure that could not be measured) as JSON null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

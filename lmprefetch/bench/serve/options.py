@@ -1,0 +1,211 @@
+"""bench-serve's options and scenarios (imports nothing heavy: the command line is built from
+this module without vLLM or httpx installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model import BENCH_LLAMA, kv_bytes_per_token
+from .workloads import ChatSpec, LongDocSpec
+
+__all__ = ["SCENARIOS", "SCENARIO_NAMES", "Scenario", "ServeBenchOptions"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One server configuration.
+
+    Args:
+        name: the key in the results.
+        title: one line for the table.
+        prefix_caching: vLLM's own prefix cache on.
+        connector: ``"lmprefetch"``, ``"lmcache"`` (LMCache's in-process
+            ``LMCacheConnectorV1``) or ``"lmcache_mp"`` (LMCache's ``LMCacheMPConnector`` with
+            an ``lmcache server`` process, the direction LMCache is taking).
+        tier: lmprefetch's tier beside the CPU tier: ``"disk"`` or ``"redis"``.
+        servers: how many vLLM servers (requests alternate between two).
+        restart_between_rounds: stop and start the server between rounds.
+        probe: the probe's transition (``"cpu"``, ``"disk"``, ``"redis"``), if any.
+    """
+
+    name: str
+    title: str
+    prefix_caching: bool = True
+    connector: str | None = None
+    tier: str | None = None
+    servers: int = 1
+    restart_between_rounds: bool = False
+    probe: str | None = None
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("recompute", "no connector, vLLM prefix caching off", prefix_caching=False),
+    Scenario("apc", "vLLM's own prefix caching (KV pool smaller than the working set)"),
+    Scenario(
+        "lmprefetch_cpu",
+        "prefix caching + lmprefetch, CPU tier",
+        connector="lmprefetch",
+        probe="cpu",
+    ),
+    Scenario(
+        "lmprefetch_disk_restart",
+        "prefix caching + lmprefetch, CPU + disk tiers, server restarted between rounds",
+        connector="lmprefetch",
+        tier="disk",
+        restart_between_rounds=True,
+        probe="disk",
+    ),
+    Scenario(
+        "shared_redis",
+        "two servers + one Redis, prefix caching + lmprefetch (CPU + Redis); requests alternate",
+        connector="lmprefetch",
+        tier="redis",
+        servers=2,
+        probe="redis",
+    ),
+    Scenario("lmcache", "prefix caching + LMCache 0.5.6 LMCacheConnectorV1", connector="lmcache"),
+    Scenario(
+        "lmcache_mp",
+        "prefix caching + LMCache 0.5.6 multi-process server (LMCacheMPConnector), CPU memory",
+        connector="lmcache_mp",
+        probe="cpu",
+    ),
+)
+SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
+
+
+@dataclass
+class ServeBenchOptions:
+    """Everything one run uses; :meth:`full` and :meth:`quick` are the two presets."""
+
+    rounds: int = 4
+    long_doc: LongDocSpec = field(
+        default_factory=lambda: LongDocSpec(
+            docs=8, doc_tokens=3840, question_tokens=64, answer_tokens=16
+        )
+    )
+    chat: ChatSpec = field(
+        default_factory=lambda: ChatSpec(
+            sessions=16, system_tokens=1024, user_tokens=384, answer_tokens=32, concurrency=4
+        )
+    )
+    probes: int = 5
+    probe_repeats: int = 3
+    probe_chunks: int = 15
+    kv_pool_tokens: int = 16384
+    chunk_size: int = 256
+    block_size: int = 32
+    cpu_bytes: int = 1 * GiB
+    model: dict[str, Any] = field(default_factory=lambda: dict(BENCH_LLAMA))
+    seed: int = 0
+    scenarios: tuple[str, ...] = SCENARIO_NAMES
+    python: str = sys.executable
+    lmcache_python: str | None = None
+    redis_server: str | None = None
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    progress: bool = True
+    quick: bool = False
+
+    @classmethod
+    def full(cls, **changes: Any) -> ServeBenchOptions:
+        return cls(**changes)
+
+    @classmethod
+    def quick_preset(cls, **changes: Any) -> ServeBenchOptions:
+        base: dict[str, Any] = {
+            "rounds": 2,
+            "long_doc": LongDocSpec(docs=4, doc_tokens=2048, question_tokens=32, answer_tokens=8),
+            "chat": ChatSpec(
+                sessions=4, system_tokens=512, user_tokens=256, answer_tokens=16, concurrency=2
+            ),
+            "probes": 2,
+            "probe_repeats": 2,
+            "probe_chunks": 8,
+            "kv_pool_tokens": 4096,
+            "cpu_bytes": 256 << 20,
+            "quick": True,
+        }
+        base.update(changes)
+        return cls(**base)
+
+    @property
+    def probe_tokens(self) -> int:
+        return self.probe_chunks * self.chunk_size + 1
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model["vocab_size"])
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field."""
+        if self.rounds < 2:
+            raise ValueError(
+                f"rounds: at least 2 (a warm-up and a measured round), got {self.rounds}"
+            )
+        for name in (
+            "probes",
+            "probe_repeats",
+            "probe_chunks",
+            "kv_pool_tokens",
+            "chunk_size",
+            "block_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size: {self.chunk_size} is not a multiple of block_size {self.block_size}"
+            )
+        for spec in (self.long_doc, self.chat):
+            for f in dataclasses.fields(spec):
+                if getattr(spec, f.name) < 1:
+                    raise ValueError(f"{f.name}: must be at least 1, got {getattr(spec, f.name)}")
+        unknown = [s for s in self.scenarios if s not in SCENARIO_NAMES]
+        if unknown:
+            raise ValueError(
+                f"scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIO_NAMES)})"
+            )
+        if self.max_model_len() > self.kv_pool_tokens:
+            raise ValueError(
+                f"kv_pool_tokens: {self.kv_pool_tokens} cannot hold the longest request "
+                f"({self.max_model_len()} tokens)"
+            )
+
+    def max_model_len(self) -> int:
+        ld, ch = self.long_doc, self.chat
+        longest = max(
+            ld.doc_tokens + ld.question_tokens + ld.answer_tokens,
+            ch.system_tokens + self.rounds * (ch.user_tokens + ch.answer_tokens),
+            self.probe_tokens + ld.answer_tokens,
+        )
+        return -(-longest // self.block_size) * self.block_size
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as plain data (for the JSON and the report)."""
+        return {
+            "quick": self.quick,
+            "rounds": self.rounds,
+            "long_doc_qa": dataclasses.asdict(self.long_doc),
+            "chat": dataclasses.asdict(self.chat),
+            "probes": self.probes,
+            "probe_repeats": self.probe_repeats,
+            "probe_tokens": self.probe_tokens,
+            "kv_pool_tokens": self.kv_pool_tokens,
+            "kv_pool_bytes": self.kv_pool_bytes,
+            "max_model_len": self.max_model_len(),
+            "chunk_size": self.chunk_size,
+            "block_size": self.block_size,
+            "lmprefetch_cpu_bytes": self.cpu_bytes,
+            "model": dict(self.model),
+            "seed": self.seed,
+        }
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv_pool_tokens * kv_bytes_per_token(self.model)

@@ -1,0 +1,336 @@
+"""lmprefetch on vLLM's OpenAI server (CPU build), over HTTP, as a user runs it.
+
+Servers are child processes (``python -m vllm.entrypoints.openai.api_server``) on free loopback
+ports, started and stopped by their own process group (``lmprefetch.bench.serve.procs``), with a
+tiny random-weight Llama and token-id prompts.  vLLM's own prefix cache is off in every server
+here, so every cached token a response reports was served by lmprefetch.  The checks are
+structural (tokens, hit counts); nothing is timed.
+
+* the same tokens with and without the connector, and a repeat served from lmprefetch: its
+  ``usage.prompt_tokens_details.cached_tokens`` covers every whole chunk, and ``/metrics``
+  counts them as external (connector) tokens;
+* two servers sharing one Redis serve each other's prompts;
+* ``lmprefetch bench-serve --quick`` runs every scenario and leaves no file or process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from lmprefetch.bench.serve.client import (  # noqa: E402
+    Completion,
+    complete,
+    metrics_delta,
+    scrape_metrics,
+)
+from lmprefetch.bench.serve.model import TINY_LLAMA, kv_bytes_per_token  # noqa: E402
+from lmprefetch.bench.serve.procs import ManagedProcess, ProcessSet, free_port  # noqa: E402
+from lmprefetch.bench.serve.run import base_env, private_dirs, server_argv  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 64
+BLOCK = 32
+STARTUP_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 600.0
+REDIS_SERVER = shutil.which("redis-server")
+needs_redis = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="needs redis-server (apt-get install redis-server)"
+)
+
+SHARED = [(i * 37) % 991 + 3 for i in range(192)]
+#: Two prompts sharing a 3-chunk prefix; a third one unrelated to them.
+P1 = [*SHARED, 5, 6, 7, 8, 9, 10, 11, 12]  # 200 tokens: 3 whole chunks
+P2 = SHARED + [(i * 11) % 991 + 3 for i in range(90)]  # 282 tokens: 4 whole chunks
+P3 = [(i * 13) % 991 + 3 for i in range(200)]  # 200 tokens: 3 whole chunks
+#: Prompts that together fill vLLM's whole KV pool (POOL_TOKENS) more than once, so that no
+#: block still holds a previous request's KV: what a later request finds in its blocks is
+#: what was computed or loaded for it.
+POOL_TOKENS = 2048
+FILLERS = [[(i * 17 + k) % 991 + 3 for i in range(960)] for k in range(3)]
+
+
+def whole_chunks(prompt: Sequence[int]) -> int:
+    return len(prompt) // CHUNK * CHUNK
+
+
+def connector_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "LMPrefetchConnector",
+        "kv_connector_module_path": "lmprefetch.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        # A generous lookup deadline: a busy machine must not turn a hit into a miss.
+        "kv_connector_extra_config": {
+            "chunk_size": CHUNK,
+            "cpu_bytes": 64 << 20,
+            "lookup_timeout_s": 120.0,
+            **extra,
+        },
+    }
+
+
+class Server:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def complete(self, prompt: Sequence[int]) -> Completion:
+        with trio.fail_after(REQUEST_TIMEOUT_S):
+            return await complete(self.client, "bench", prompt, 8)
+
+    async def metrics_after(self, before: dict[str, float], requests: int) -> dict[str, float]:
+        """The metrics' change once they count ``requests`` more finished requests (vLLM
+        records a request just after its stream ends)."""
+        with trio.fail_after(60):
+            while True:
+                delta = metrics_delta(before, await scrape_metrics(self.client))
+                if delta["queue_count"] >= requests and delta["prefill_count"] >= requests:
+                    return delta
+                await trio.sleep(0.05)
+
+
+def write_random_llama(directory: Path) -> Path:
+    """TINY_LLAMA with real random weights (transformers' initialisation, normal with std
+    0.02), written as safetensors.  vLLM's dummy weights (uniform in +-1e-3) make the attention
+    output so small that the generated tokens hardly depend on the KV cache: a KV copy that
+    was skipped or went to the wrong blocks would go unnoticed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@asynccontextmanager
+async def vllm_servers(
+    tmp: Path, configs: Sequence[dict[str, Any] | None]
+) -> AsyncIterator[list[Server]]:
+    """One vLLM server per entry of ``configs`` (a ``--kv-transfer-config``, or None)."""
+    model = write_random_llama(tmp / "model")
+    async with private_dirs() as (_, runtime), trio.open_nursery() as nursery:
+        procs = ProcessSet(nursery)
+        servers = []
+        try:
+            for i, config in enumerate(configs):
+                port = free_port()
+                argv = server_argv(
+                    sys.executable,
+                    model,
+                    port,
+                    max_model_len=1024,
+                    block_size=BLOCK,
+                    kv_pool_bytes=POOL_TOKENS * kv_bytes_per_token(TINY_LLAMA),
+                    prefix_caching=False,
+                    kv_transfer_config=config,
+                    load_format="safetensors",
+                )
+                proc = ManagedProcess(
+                    f"server {i}", argv, base_env(runtime), "Application startup complete", cwd=tmp
+                )
+                await procs.start(proc, STARTUP_TIMEOUT_S)
+                client = httpx.AsyncClient(
+                    base_url=f"http://127.0.0.1:{port}",
+                    timeout=REQUEST_TIMEOUT_S,
+                    trust_env=False,
+                )
+                servers.append(Server(client))
+            yield servers
+        finally:
+            for server in servers:
+                await server.client.aclose()
+            await procs.stop_all()
+
+
+@asynccontextmanager
+async def redis_server(tmp: Path) -> AsyncIterator[str]:
+    assert REDIS_SERVER is not None
+    port = free_port()
+    workdir = tmp / "redis"
+    workdir.mkdir()
+    argv = [
+        REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no", "--dir", str(workdir),
+    ]  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        procs = ProcessSet(nursery)
+        try:
+            await procs.start(
+                ManagedProcess("redis", argv, dict(os.environ), "Ready to accept connections"),
+                60.0,
+            )
+            yield f"redis://127.0.0.1:{port}"
+        finally:
+            await procs.stop_all()
+
+
+async def test_same_tokens_with_and_without_lmprefetch_and_repeats_served_from_it(
+    tmp_path: Path,
+) -> None:
+    async with vllm_servers(tmp_path, [None, connector_config()]) as (plain, cached):
+        rounds: dict[str, list[list[Completion]]] = {"plain": [], "cached": []}
+        deltas = []
+        for _ in range(2):
+            before = await scrape_metrics(cached.client)
+            for name, server in (("plain", plain), ("cached", cached)):
+                rounds[name].append([await server.complete(p) for p in (P1, P2)])
+            deltas.append(await cached.metrics_after(before, 2))
+            for server in (plain, cached):
+                for filler in FILLERS:
+                    await server.complete(filler)
+        delta = {k: deltas[0][k] + deltas[1][k] for k in deltas[0]}
+
+    reference = [c.output_ids for c in rounds["plain"][0]]
+    assert all(len(ids) == 8 for ids in reference)
+    for name in ("plain", "cached"):
+        assert [[c.output_ids for c in rnd] for rnd in rounds[name]] == [reference, reference]
+    assert [c.cached_tokens for rnd in rounds["plain"] for c in rnd] == [0, 0, 0, 0]
+    # Round 1: P2 already finds the 3 chunks it shares with P1 (stored by P1's request);
+    # round 2: every whole chunk of both prompts is served by lmprefetch.
+    cached_tokens = [[c.cached_tokens for c in rnd] for rnd in rounds["cached"]]
+    assert cached_tokens == [[0, 192], [whole_chunks(P1), whole_chunks(P2)]]
+    # vLLM's own counters agree: all of it came through the connector.
+    assert delta["external_kv_transfer"] == 192 + whole_chunks(P1) + whole_chunks(P2)
+    assert delta["local_cache_hit"] == 0
+
+
+@needs_redis
+async def test_two_servers_sharing_one_redis_serve_each_others_prompts(tmp_path: Path) -> None:
+    import redis
+
+    from lmprefetch.hashing import ChunkHasher
+    from lmprefetch.keys import ChunkKey
+    from lmprefetch.tiers.redis import redis_key
+
+    hasher = ChunkHasher(CHUNK)
+
+    async def landed(url: str, prompt: Sequence[int]) -> None:
+        """Wait until Redis holds every whole chunk of ``prompt`` (writes are write-behind)."""
+        names = [
+            redis_key(ChunkKey("bench", 1, 0, h, "float32")) for h in hasher.hash(list(prompt))
+        ]
+        client = redis.Redis.from_url(url)
+        try:
+            with trio.fail_after(120):
+                while True:
+                    if await trio.to_thread.run_sync(client.exists, *names) == len(names):
+                        return
+                    await trio.sleep(0.05)
+        finally:
+            await trio.to_thread.run_sync(client.close)
+
+    async with redis_server(tmp_path) as url:
+        config = connector_config(redis_url=url, model_name="bench", kv_dtype="float32")
+        async with vllm_servers(tmp_path, [config, config]) as (a, b):
+            first_a = await a.complete(P2)
+            await landed(url, P2)
+            from_redis_b = await b.complete(P2)
+            first_b = await b.complete(P3)
+            await landed(url, P3)
+            from_redis_a = await a.complete(P3)
+
+    assert first_a.cached_tokens == 0 and first_b.cached_tokens == 0
+    # Each server serves the prompt only the other one computed, from Redis: every whole
+    # chunk, and the same tokens.
+    assert from_redis_b.cached_tokens == whole_chunks(P2)
+    assert from_redis_a.cached_tokens == whole_chunks(P3)
+    assert from_redis_b.output_ids == first_a.output_ids
+    assert from_redis_a.output_ids == first_b.output_ids
+
+
+@pytest.mark.slow
+@needs_redis
+def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    out = tmp_path / "result.json"
+    figure = tmp_path / "figure.png"
+    # A long TMPDIR: the servers' sockets must still fit a Unix socket path (they then go to a
+    # short private directory in /tmp, removed like the rest).
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    assert len(str(tmpdir)) > 60
+    short_dirs_before = set(Path("/tmp").glob("lmpbs-*"))
+    argv = [
+        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress",
+        "--json", str(out), "--plot", str(figure),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # Nothing left: no file in the temporary directory, no process started with its model.
+    assert list(tmpdir.iterdir()) == []
+    assert set(Path("/tmp").glob("lmpbs-*")) <= short_dirs_before
+    leftovers = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                seen = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if str(tmpdir).encode() in seen:  # every child got TMPDIR (or a path) under it
+                leftovers.append((entry / "cmdline").read_bytes())
+    assert leftovers == []
+    assert figure.stat().st_size > 0
+    for word in ("TTFT p50", "recompute", "shared_redis", "Goals"):
+        assert word in proc.stdout
+
+    result = json.loads(out.read_text())
+    scenarios = result["scenarios"]
+    assert list(scenarios) == [
+        "recompute",
+        "apc",
+        "lmprefetch_cpu",
+        "lmprefetch_disk_restart",
+        "shared_redis",
+        "lmcache",
+        "lmcache_mp",
+    ]
+    settings = result["settings"]
+    doc_tokens = settings["long_doc_qa"]["doc_tokens"]
+    measured_docs = settings["long_doc_qa"]["docs"] * (settings["rounds"] - 1)
+    for name, entry in scenarios.items():
+        if name.startswith("lmcache") and "error" in entry:
+            assert entry["error"]  # the reason it cannot run here, in words
+            continue
+        assert "error" not in entry, entry
+        for figures in (entry, entry["chat"]):
+            for key in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "req_per_s", "hit_tokens"):
+                assert figures[key] is not None, (name, key)
+            # The answers' usage and vLLM's /metrics count the same hit tokens.
+            assert figures["hit_tokens"] == figures["hit_tokens_metrics"], name
+    for figures in (scenarios["recompute"], scenarios["recompute"]["chat"]):
+        assert figures["hit_tokens"] == 0
+    # Every measured long-document question finds its whole document cached (vLLM's pool is
+    # too small to keep it, so lmprefetch serves it).
+    for name in ("lmprefetch_cpu", "lmprefetch_disk_restart", "shared_redis"):
+        entry = scenarios[name]
+        assert entry["hit_tokens"] == measured_docs * doc_tokens, name
+        assert entry["metrics"]["external_kv_transfer"] > 0, name
+        probe = entry["probe"]
+        assert probe["tier_hit"]["cached_tokens"] == [probe["full_hit_tokens"]] * len(
+            probe["tier_hit"]["cached_tokens"]
+        ), name
+    assert {g["key"] for g in result["goals"]} == {
+        "long_doc_p50_vs_apc",
+        "cpu_hit_vs_apc_hit",
+        "disk_hit_vs_apc_hit",
+    }
+    assert all(g["met"] is not None for g in result["goals"])
