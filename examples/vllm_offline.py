@@ -1,6 +1,8 @@
 """Offline vLLM inference with lmprefetch as the KV connector.
 
-The same as the command-line flag::
+The same as the command-line flag (on vLLM's CPU build the ``vllm`` command looks for a
+distribution named ``vllm`` and fails: use ``python -m vllm.entrypoints.openai.api_server
+--model MODEL`` with the same flags there)::
 
     vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{
         "kv_connector": "LMPrefetchConnector",

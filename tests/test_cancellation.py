@@ -1,4 +1,4 @@
-"""Cancellation at every checkpoint of every public async method of ``Engine`` (DESIGN §7).
+"""Cancellation at every checkpoint of every public async method of ``Engine``.
 
 The steps counted are those of every task the call involves: the caller's own task, the lookup
 task the engine starts for it and that task's load tasks (and, for ``store`` and ``flush``, the
