@@ -88,18 +88,17 @@ class _Pins:
 
 
 class _Part:
-    """One tier's share of a lookup: chunks ``[first, first + n_chunks)``."""
+    """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
 
-    __slots__ = ("buffers", "first", "keys", "loaded", "n_chunks", "pins", "tier")
+    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier")
 
-    def __init__(self, tier: Tier, first: int, keys: list[ChunkKey], n_chunks: int, pins: _Pins):
+    def __init__(self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins):
         self.tier = tier
-        self.first = first
         self.keys = keys
         self.n_chunks = n_chunks
         self.pins = pins
         self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
-        self.loaded = 0  # whole chunks loaded contiguously from ``first``
+        self.loaded = 0  # whole chunks loaded contiguously from the part's first
 
     def release_buffers(self, start: int = 0) -> None:
         tail, self.buffers = self.buffers[start:], self.buffers[:start]
@@ -553,7 +552,7 @@ class Engine:
                     pins.release_from(hit * kpc)  # round down to whole chunks
                     if hit == 0:
                         continue  # the next tier gets the same keys
-                    part = _Part(tier, next_chunk, remaining[: hit * kpc], hit, pins)
+                    part = _Part(tier, remaining[: hit * kpc], hit, pins)
                     parts.append(part)
                     next_chunk += hit
                     if zero_copy:
@@ -577,7 +576,7 @@ class Engine:
 
     def _take_zero_copy_hits(self, part: _Part) -> None:
         """Zero-copy: owner references on the cached buffers, taken synchronously."""
-        tier = cast(ZeroCopyTier, part.tier)
+        tier = cast(ZeroCopyTier, part.tier)  # pragma: no mutate (a type, not a value)
         part.buffers = tier.acquire(part.keys)
         part.loaded = len(part.buffers) // self._kpc
         part.release_buffers(part.loaded * self._kpc)

@@ -36,3 +36,15 @@ async def test_engine_with_torch_buffers_takes_tensor_payloads() -> None:
         with engine.claim("t") as chunks:
             for (_, buf), expected in zip(chunks, payloads):
                 assert torch.equal(buf.tensor().view(torch.float16), expected)
+
+
+def test_each_buffer_is_its_own_slot_of_the_tensor() -> None:
+    arena = Arena(64, 3, backend="torch")
+    bufs = [arena.allocate() for _ in range(3)]
+    for i, buf in enumerate(bufs):
+        assert buf is not None
+        buf.write(bytes([i + 1]) * (10 + i))
+    for i, buf in enumerate(bufs):
+        assert buf is not None
+        assert buf.tensor().tolist() == [i + 1] * (10 + i)
+        buf.release()
