@@ -937,7 +937,10 @@ def _is_zero(n: int) -> bool:
 
 def _as_bytes_view(payload: Any, index: int) -> memoryview:
     if hasattr(payload, "detach") and hasattr(payload, "numpy"):  # a torch tensor
-        payload = payload.detach().cpu().contiguous().view(-1).numpy().view("uint8")
+        import torch  # importable: this is one of its tensors
+
+        # Its bytes as uint8 first: numpy has no bfloat16 (nor fp8), the usual KV dtypes.
+        payload = payload.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
     try:
         return memoryview(payload).cast("B")
     except TypeError:

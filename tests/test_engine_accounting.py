@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from lmprefetch import PrefetchConfig, open_engine
+from lmprefetch.events import BlockStored, ChunkBlocks
 from lmprefetch.prefetch import LookupState
 
 from .fakes import FakeTier
@@ -380,3 +381,79 @@ async def test_a_records_state_ends_done_unless_claimed(config: PrefetchConfig) 
         assert task.state is LookupState.DONE
         assert claimed.state is LookupState.CLAIMED
         assert_conserved(engine)
+
+
+async def test_stores_that_do_not_fit_count_every_rejected_chunk(config: PrefetchConfig) -> None:
+    async with open_engine(config) as engine:  # 32 slots
+        taken = engine.arena.allocate_many(engine.arena.num_slots - 2)
+        try:
+            assert await engine.store(tokens(5, salt=1), payloads(5)) == 2
+            # Room again only by evicting the first store's chunks, not this call's own.
+            assert await engine.store(tokens(4, salt=2), payloads(4)) == 2
+            assert engine.stats()["store_rejected_chunks"] == 3 + 2
+        finally:
+            engine.arena.release_all(taken)
+
+
+async def test_a_layerwise_chunk_that_does_not_fit_leaves_none_of_its_layers(
+    config: PrefetchConfig,
+) -> None:
+    config = msgspec.structs.replace(config, layerwise=True, num_layers=2)
+    async with open_engine(config) as engine:
+        taken = engine.arena.allocate_many(engine.arena.num_slots - 5)  # room for 5 layers
+        try:
+            assert await engine.store(tokens(3), [bytes([i]) * 64 for i in range(3)]) == 2
+            assert engine.stats()["cpu_resident_chunks"] == 4  # chunk 2's first layer is gone
+            assert engine.arena.free_slots == 1
+            assert engine.stats()["store_rejected_chunks"] == 1
+        finally:
+            engine.arena.release_all(taken)
+
+
+async def test_store_says_which_payload_is_wrong_and_stores_nothing(
+    config: PrefetchConfig,
+) -> None:
+    async with open_engine(config) as engine:
+        with pytest.raises(
+            ValueError, match=r"^payloads\[1\]: chunk 1 is a str, not a bytes-like object$"
+        ):
+            await engine.store(tokens(2), [b"a" * 8, "text"])
+        layered = msgspec.structs.replace(config, layerwise=True, num_layers=4)
+    async with open_engine(layered) as engine:
+        with pytest.raises(
+            ValueError,
+            match=r"^payloads\[1\]: chunk 1 has 6 bytes, not divisible by num_layers \(4\)$",
+        ):
+            await engine.store(tokens(2), [b"a" * 8, b"b" * 6])
+        assert engine.stats()["cpu_resident_chunks"] == 0
+
+
+async def test_store_hashes_takes_one_block_name_per_payload(config: PrefetchConfig) -> None:
+    async with open_engine(config, kv_events="chunks") as engine:
+        hashes = engine.hasher.hash(tokens(2))
+        blocks = [ChunkBlocks.make((1000 + i,), CHUNK) for i in range(2)]
+        with pytest.raises(ValueError, match=r"^blocks: 1 for 2 payloads$"):
+            await engine.store_hashes(hashes, payloads(2), blocks=blocks[:1])
+        assert engine.stats()["cpu_resident_chunks"] == 0
+        assert await engine.store_hashes(hashes, payloads(2), blocks=blocks) == 2
+        stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
+        assert [e.block_hashes for e in stored] == [[1000], [1001]]
+
+
+async def test_stored_chunks_are_announced_with_their_parents_and_tokens(
+    config: PrefetchConfig,
+) -> None:
+    """In ``"chunks"`` mode a stored chunk is named by its hash; its parent is the chunk before
+    it in the prompt, and its tokens are its own ``chunk_size`` tokens."""
+    async with open_engine(config, kv_events="chunks") as engine:
+        toks = tokens(4)
+        hashes = engine.hasher.hash(toks)
+        assert await engine.store(toks, payloads(3)) == 3
+        stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
+        assert [
+            (e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size) for e in stored
+        ] == [
+            ([hashes[0]], None, toks[0:4], CHUNK),
+            ([hashes[1]], hashes[0], toks[4:8], CHUNK),
+            ([hashes[2]], hashes[1], toks[8:12], CHUNK),
+        ]

@@ -41,9 +41,9 @@ def test_owner_counting_and_double_release_is_loud() -> None:
     assert arena.free_slots == 0
     b.release()
     assert arena.free_slots == 1
-    with pytest.raises(DoubleReleaseError):
+    with pytest.raises(DoubleReleaseError, match=r"^buffer 0 released more times than owned$"):
         b.release()
-    with pytest.raises(DoubleReleaseError):
+    with pytest.raises(DoubleReleaseError, match=r"^buffer 0 used after its last release$"):
         b.view()
 
 
@@ -52,8 +52,10 @@ def test_a_released_buffer_cannot_be_retained_back_to_life() -> None:
     b = arena.allocate()
     assert b is not None
     b.release()
-    with pytest.raises(DoubleReleaseError, match="retain of released buffer 0"):
+    with pytest.raises(DoubleReleaseError, match=r"^retain of released buffer 0$"):
         b.retain()
+    with pytest.raises(DoubleReleaseError, match=r"^retain of released buffer 0$"):
+        arena.retain_all([b])
     assert b.owners == 0
     assert arena.free_slots == 1
     again = arena.allocate()  # the slot is free for exactly one new owner
