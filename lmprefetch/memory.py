@@ -179,7 +179,7 @@ class Arena:
         elif backend == "bytes":
             # Private, not the default shared mapping: nothing shares the arena with another
             # process, and private anonymous pages fault in about twice as fast here.
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0))
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             self._mmap = mmap.mmap(-1, size, flags=flags)
             self._view = memoryview(self._mmap)
         else:

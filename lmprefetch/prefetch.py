@@ -32,7 +32,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
-from itertools import accumulate
+from itertools import accumulate, count
 from typing import Any, Literal, cast
 
 import trio
@@ -262,7 +262,7 @@ class Engine:
         # Results answered without a task (full CPU hits): (expiry time, tie-break, record).
         self._expiries: list[tuple[float, int, _Lookup]] = []
         self._expiry_scope = trio.CancelScope()
-        self._expiry_tie = 0
+        self._expiry_ties = count()  # orders equal deadlines; never compares records
         self._expiries_compact_at = _EXPIRIES_COMPACT_MIN
         self._expiry_task_scope = trio.CancelScope()
         nursery.start_soon(self._expire_held, name="lmprefetch-expiry")
@@ -413,8 +413,7 @@ class Engine:
         self._lookups[lookup_id] = rec
         expires = started + self.config.claim_ttl_s
         heap = self._expiries
-        heapq.heappush(heap, (expires, self._expiry_tie, rec))
-        self._expiry_tie += 1
+        heapq.heappush(heap, (expires, next(self._expiry_ties), rec))
         if len(heap) >= 2 * self._expiries_compact_at:
             # Claimed and cancelled results stay in the heap until their time comes (lazy
             # deletion); drop them now and then, so the heap tracks the results really held
@@ -996,8 +995,9 @@ def _open_tracker(
         chunk_size=config.chunk_size,
         mode=mode,
         max_pending=config.kv_events_max_pending,
-        # A chunk on no tier may still be landed by a write-behind: keep the names of as many.
-        orphan_limit=config.disk_write_queue + config.redis_write_queue + 64,
+        # A chunk on no tier may still be landed by a write-behind: keep the names of as many
+        # (a size with some slack, not a rule a test could pin down).
+        orphan_limit=config.disk_write_queue + config.redis_write_queue + 64,  # pragma: no mutate
     )
     if mode == "chunks":
         tracker.clear_all()

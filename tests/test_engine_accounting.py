@@ -9,6 +9,7 @@ every answer is right.  (Mutation testing found these blind spots: see docs/reli
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 import pytest
@@ -16,8 +17,8 @@ import trio
 import trio.testing
 
 from lmprefetch import PrefetchConfig, open_engine
-from lmprefetch.events import BlockStored, ChunkBlocks
-from lmprefetch.prefetch import LookupState
+from lmprefetch.events import BlockRemoved, BlockStored, ChunkBlocks
+from lmprefetch.prefetch import LookupState, _check_machine_memory
 
 from .fakes import FakeTier
 from .test_engine import CHUNK, assert_conserved, engine_with, offsets, payloads, put_in, tokens
@@ -457,3 +458,154 @@ async def test_stored_chunks_are_announced_with_their_parents_and_tokens(
             ([hashes[1]], hashes[0], toks[4:8], CHUNK),
             ([hashes[2]], hashes[1], toks[8:12], CHUNK),
         ]
+
+
+async def test_layerwise_chunks_are_announced_once_each_not_once_per_layer(
+    config: PrefetchConfig,
+) -> None:
+    config = msgspec.structs.replace(config, layerwise=True, num_layers=4)
+    async with open_engine(config, kv_events="chunks") as engine:
+        toks = tokens(2)
+        hashes = engine.hasher.hash(toks)
+        assert await engine.store(toks, [bytes([i]) * 64 for i in range(2)]) == 2
+        stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
+        assert [e.block_hashes for e in stored] == [[hashes[0]], [hashes[1]]]
+        # One layer gone is the whole chunk gone from the CPU tier.
+        engine.cpu.discard(engine.keys.keys(hashes)[4 + 1])
+        removed = [e for e in engine.take_kv_events() if isinstance(e, BlockRemoved)]
+        assert [e.block_hashes for e in removed] == [[hashes[1]]]
+
+
+async def test_stats_report_the_engines_shape_and_state(config: PrefetchConfig) -> None:
+    async with open_engine(config, rank=1, world_size=3, kv_events="chunks") as engine:
+        await engine.store(tokens(2), payloads(2))
+        stats = engine.stats()
+        slots = engine.arena.num_slots
+        assert {k: stats[k] for k in (
+            "rank", "world_size", "limiter_total", "limiter_waiting", "limiter_used",
+            "arena_total_bytes", "cpu_resident_chunks", "events_pending",
+        )} == {
+            "rank": 1, "world_size": 3, "limiter_total": slots // 2, "limiter_waiting": 0,
+            "limiter_used": 0, "arena_total_bytes": slots * engine.arena.slot_bytes,
+            "cpu_resident_chunks": 2, "events_pending": 1 + 2,  # AllBlocksCleared, 2 stored
+        }  # fmt: skip
+
+
+async def test_a_closed_engine_answers_0_at_once_and_holds_nothing(
+    config: PrefetchConfig,
+) -> None:
+    async with open_engine(config) as engine:
+        await engine.store(tokens(2), payloads(2))
+        hashes = engine.hasher.hash(tokens(2))
+    answers: list[int] = []
+    assert engine.start_lookup("late", hashes, offsets(2), on_answer=answers.append) is None
+    assert answers == [0]
+    assert engine.lookup_state("late") is None
+
+
+async def test_a_miss_known_without_io_answers_the_skipped_tokens_at_once(
+    config: PrefetchConfig,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CPU tier only: a prompt it does not hold is answered synchronously, the skipped chunks
+    counting as hits, in no time; a raising callback there is logged with its lookup id."""
+    async with open_engine(config) as engine:
+        done: list[tuple[int, float]] = []
+        engine.on_lookup_done = lambda hit, seconds: done.append((hit, seconds))
+        await trio.sleep(50)
+        hashes = engine.hasher.hash(tokens(3))
+        answers: list[int] = []
+        rec = engine.start_lookup(
+            "skip", hashes, offsets(3), on_answer=answers.append, skip_chunks=1
+        )
+        assert rec is None and answers == [CHUNK]
+        assert done == [(CHUNK, 0.0)]
+        everything = engine.start_lookup(
+            "all", hashes, offsets(3), on_answer=answers.append, skip_chunks=3
+        )
+        assert everything is None and answers == [CHUNK, 3 * CHUNK]
+
+        def broken(hit_tokens: int) -> None:
+            raise RuntimeError("broken callback")
+
+        with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
+            engine.start_lookup("miss-now-5", hashes, offsets(3), on_answer=broken)
+        assert any("miss-now-5" in r.getMessage() for r in caplog.records)
+        assert engine.stats()["lookups_failed"] == 1
+
+
+async def test_a_one_token_chunk_is_a_hit(config: PrefetchConfig) -> None:
+    async with open_engine(config) as engine:
+        hashes = engine.hasher.hash(tokens(1))
+        await engine.store(tokens(1), payloads(1))
+        assert await engine.lookup_and_prefetch("one", hashes, [1]) == 1
+        engine.cancel("one")
+        stats = engine.stats()
+        assert (stats["lookup_hits"], stats["lookup_misses"], stats["hit_tokens"]) == (1, 0, 1)
+
+
+async def test_a_result_claimed_from_the_cpu_tier_is_forgotten_at_once(
+    config: PrefetchConfig,
+) -> None:
+    async with open_engine(config) as engine:
+        hashes = engine.hasher.hash(tokens(2))
+        await engine.store(tokens(2), payloads(2))
+        assert await engine.lookup_and_prefetch("c", hashes, offsets(2)) == 2 * CHUNK
+        with engine.claim("c") as chunks:
+            assert len(chunks) == 2
+            assert engine.lookup_state("c") is None  # no task to end it: gone with the claim
+        assert_conserved(engine)
+
+
+async def test_held_results_expire_in_the_order_of_their_deadlines(
+    config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_engine(config) as engine:
+        hashes = engine.hasher.hash(tokens(2))
+        await engine.store(tokens(2), payloads(2))
+        await trio.sleep(100)
+        for i in range(3):
+            assert await engine.lookup_and_prefetch(f"h{i}", hashes, offsets(2)) > 0
+            await trio.sleep(1)
+        # Held at 100, 101 and 102; each expires TTL_S later, no sooner and no later.
+        await trio.sleep_until(100 + TTL_S - 0.5)
+        assert [engine.lookup_state(f"h{i}") for i in range(3)] == [LookupState.HELD] * 3
+        await trio.sleep_until(100 + TTL_S + 0.5)
+        assert [engine.lookup_state(f"h{i}") for i in range(3)] == [
+            None, LookupState.HELD, LookupState.HELD
+        ]
+        await trio.sleep_until(102 + TTL_S + 0.5)
+        assert [engine.lookup_state(f"h{i}") for i in range(3)] == [None] * 3
+        assert engine.stats()["lookups_expired"] == 3
+
+
+def test_a_cpu_budget_beyond_the_machine_is_refused_naming_the_field() -> None:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    _check_machine_memory(physical)  # all of it: allowed (the kernel may overcommit)
+    with pytest.raises(
+        ValueError,
+        match=rf"^cpu_bytes: {physical + 1} bytes is more than this machine's memory "
+        rf"\({physical} bytes\); lower cpu_bytes$",
+    ):
+        _check_machine_memory(physical + 1)
+
+
+async def test_a_first_chunk_missing_a_layer_is_a_miss_answered_at_once(
+    config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    config = msgspec.structs.replace(config, layerwise=True, num_layers=4)
+    async with open_engine(config) as engine:
+        done: list[tuple[int, float]] = []
+        engine.on_lookup_done = lambda hit, seconds: done.append((hit, seconds))
+        await trio.sleep(50)
+        toks = tokens(3)
+        hashes = engine.hasher.hash(toks)
+        await engine.store(toks, [bytes([i]) * 64 for i in range(3)])
+        engine.cpu.discard(engine.keys.keys(hashes)[4 + 3])  # chunk 1's last layer
+        answers: list[int] = []
+        assert engine.start_lookup("a", hashes, offsets(3), on_answer=answers.append,
+                                   skip_chunks=1) is None  # fmt: skip
+        assert answers == [CHUNK] and done == [(CHUNK, 0.0)]
+        assert engine.stats()["lookups_failed"] == 0
+        assert_conserved(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -221,3 +222,77 @@ def test_a_slot_comes_back_empty_and_a_second_release_names_it(how: str) -> None
     assert arena.free_slots == 1
     drop(first)
     assert arena.free_slots == 2
+
+
+@pytest.mark.parametrize(("slot_bytes", "num_slots"), [(0, 4), (4, 0), (-1, -1)])
+def test_an_arena_needs_a_slot_of_a_byte(slot_bytes: int, num_slots: int) -> None:
+    with pytest.raises(ValueError, match=r"^Arena needs at least one slot of at least one byte$"):
+        Arena(slot_bytes, num_slots)
+
+
+def test_the_smallest_arena_works_and_a_fresh_buffer_is_empty() -> None:
+    arena = Arena(1, 1)
+    buf = arena.allocate()
+    assert buf is not None
+    assert buf.length == 0 and bytes(buf.view()) == b""
+    buf.write(b"x")
+    assert bytes(buf.view()) == b"x"
+    buf.release()
+    arena.close()
+    arena.close()  # closing twice is harmless
+
+
+def test_an_unknown_backend_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"^backend: must be 'bytes' or 'torch', got 'gpu'$"):
+        Arena(8, 1, backend="gpu")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/maps: Linux")
+def test_the_arena_is_a_private_mapping() -> None:
+    """Private, not shared: no other process maps it, and private pages fault in faster."""
+    import ctypes
+
+    arena = Arena(64 * 1024, 4)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(arena._view))
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, perms = line.split()[:2]
+                low, high = (int(x, 16) for x in span.split("-"))
+                if low <= address < high:
+                    assert perms == "rw-p", line
+                    break
+            else:
+                raise AssertionError("the arena is not in /proc/self/maps")
+    finally:
+        arena.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping: Linux")
+def test_without_madvise_prefault_zeroes_only_an_unused_arena(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a kernel without MADV_POPULATE_WRITE, pre-faulting touches (zeroes) every page of an
+    arena nobody uses yet, and never writes into one whose slots are in use."""
+    import lmprefetch.memory as memory
+
+    monkeypatch.setattr(memory, "_madvise", None)
+    slot = 64 * 1024
+    arena = Arena(slot, 4)
+    try:
+        assert arena.prefault(arena.total_bytes) == arena.total_bytes
+        assert _resident_bytes(arena) == arena.total_bytes
+        assert bytes(arena._view) == bytes(arena.total_bytes)
+    finally:
+        arena.close()
+    arena = Arena(slot, 4)
+    try:
+        buf = arena.allocate()
+        assert buf is not None
+        buf.write(b"in use")
+        assert arena.prefault(arena.total_bytes) == arena.total_bytes
+        assert bytes(buf.view()) == b"in use"
+        assert _resident_bytes(arena) == mmap.PAGESIZE  # only the page that was written
+        buf.release()
+    finally:
+        arena.close()
