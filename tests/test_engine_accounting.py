@@ -492,15 +492,24 @@ async def test_stats_report_the_engines_shape_and_state(config: PrefetchConfig) 
 
 
 async def test_a_closed_engine_answers_0_at_once_and_holds_nothing(
-    config: PrefetchConfig,
+    config: PrefetchConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with open_engine(config) as engine:
         await engine.store(tokens(2), payloads(2))
         hashes = engine.hasher.hash(tokens(2))
     answers: list[int] = []
+    done: list[int] = []
+    engine.on_lookup_done = lambda hit, seconds: done.append(hit)
     assert engine.start_lookup("late", hashes, offsets(2), on_answer=answers.append) is None
-    assert answers == [0]
+    assert answers == [0] and done == [0]
     assert engine.lookup_state("late") is None
+
+    def broken(hit_tokens: int) -> None:
+        raise RuntimeError("broken callback")
+
+    with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
+        engine.start_lookup("closed-9", hashes, offsets(2), on_answer=broken)
+    assert any("closed-9" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_miss_known_without_io_answers_the_skipped_tokens_at_once(
@@ -609,3 +618,50 @@ async def test_a_first_chunk_missing_a_layer_is_a_miss_answered_at_once(
         assert answers == [CHUNK] and done == [(CHUNK, 0.0)]
         assert engine.stats()["lookups_failed"] == 0
         assert_conserved(engine)
+
+
+async def test_chunks_stored_by_hash_are_named_by_hash_with_their_parents(
+    config: PrefetchConfig,
+) -> None:
+    """``store_hashes`` without block names, in ``"chunks"`` mode: each chunk is named by its
+    hash, its parent is the chunk before it, and ``take_kv_events(n)`` hands out at most n."""
+    async with open_engine(config, kv_events="chunks") as engine:
+        hashes = engine.hasher.hash(tokens(3))
+        assert await engine.store_hashes(hashes, payloads(3)) == 3
+        first = engine.take_kv_events(2)
+        assert len(first) == 2  # AllBlocksCleared, then the first chunk
+        stored = [e for e in first + engine.take_kv_events() if isinstance(e, BlockStored)]
+        assert [(e.block_hashes, e.parent_block_hash, e.block_size) for e in stored] == [
+            ([hashes[0]], None, CHUNK),
+            ([hashes[1]], hashes[0], CHUNK),
+            ([hashes[2]], hashes[1], CHUNK),
+        ]
+        assert engine.take_kv_events() == []
+
+
+async def test_answers_given_at_once_log_a_broken_callback_with_the_lookup_id(
+    config: PrefetchConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A malformed request, and a layerwise first chunk missing a layer, are answered before
+    start_lookup returns; a callback that raises there is logged under the lookup's id, and the
+    latency hook still gets its figure."""
+
+    def broken(hit_tokens: int) -> None:
+        raise RuntimeError("broken callback")
+
+    layered = msgspec.structs.replace(config, layerwise=True, num_layers=4)
+    async with open_engine(layered) as engine:
+        done: list[tuple[int, float]] = []
+        engine.on_lookup_done = lambda hit, seconds: done.append((hit, seconds))
+        toks = tokens(2)
+        hashes = engine.hasher.hash(toks)
+        await engine.store(toks, [bytes([i]) * 64 for i in range(2)])
+        engine.cpu.discard(engine.keys.keys(hashes)[1])  # chunk 0's second layer
+        with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
+            engine.start_lookup("malformed-3", hashes, offsets(3), on_answer=broken)
+            engine.start_lookup("layer-gone-4", hashes, offsets(2), on_answer=broken)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("malformed-3" in m for m in messages), messages
+        assert any("layer-gone-4" in m for m in messages), messages
+        assert [hit for hit, _ in done] == [0, 0]
+        assert engine.stats()["lookups_failed"] == 2
