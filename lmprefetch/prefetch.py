@@ -456,7 +456,7 @@ class Engine:
     ) -> None:
         self._count_answer(hit_tokens, started, _call_back(on_answer, hit_tokens, lookup_id))
 
-    def _count_answer(self, hit_tokens: int, started: float, delivered: bool = True) -> None:
+    def _count_answer(self, hit_tokens: int, started: float, delivered: bool) -> None:
         if not delivered:  # the answer callback raised: a bug, counted where tests look
             self.counters["lookups_failed"] += 1
         if hit_tokens > 0:

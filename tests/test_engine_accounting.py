@@ -665,3 +665,42 @@ async def test_answers_given_at_once_log_a_broken_callback_with_the_lookup_id(
         assert any("layer-gone-4" in m for m in messages), messages
         assert [hit for hit, _ in done] == [0, 0]
         assert engine.stats()["lookups_failed"] == 2
+
+
+async def test_late_and_fully_skipped_lookups_log_a_broken_callback_with_the_lookup_id(
+    config: PrefetchConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(hit_tokens: int) -> None:
+        raise RuntimeError("broken callback")
+
+    async with open_engine(config) as engine:
+        done: list[int] = []
+        engine.on_lookup_done = lambda hit, seconds: done.append(hit)
+        hashes = engine.hasher.hash(tokens(2))
+        with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
+            engine.start_lookup(
+                "late-1", hashes, offsets(2), on_answer=broken, deadline=trio.current_time()
+            )
+            engine.start_lookup("skipped-2", hashes, offsets(2), on_answer=broken, skip_chunks=2)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("late-1" in m for m in messages), messages
+        assert any("skipped-2" in m for m in messages), messages
+        assert done == [0, 2 * CHUNK]
+
+
+async def test_a_closed_engine_starts_no_task_for_a_tier_that_needs_one(
+    config: PrefetchConfig,
+) -> None:
+    disk = FakeTier("disk")  # keeps its data after the engine closed; answers only with I/O
+    async with engine_with(config, disk) as engine:
+        hashes = await put_in(disk, engine, tokens(2), payloads(2))
+    answers: list[int] = []
+    assert engine.start_lookup("after", hashes, offsets(2), on_answer=answers.append) is None
+    assert answers == [0]
+
+
+async def test_the_limiter_holds_half_the_arena_and_at_least_one_chunk() -> None:
+    for slots, expected in ((2, 1), (3, 1), (8, 4)):
+        config = PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * slots)
+        async with open_engine(config) as engine:
+            assert engine.stats()["limiter_total"] == expected, slots
