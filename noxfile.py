@@ -19,6 +19,8 @@
 * ``bench_serve`` — ``lmprefetch bench-serve``: TTFT on vLLM's OpenAI server (CPU build);
   ``nox -s bench_serve -- --quick`` for a short run (not part of ``ci``; the ``vllm`` session
   runs ``--quick`` as a test).
+* ``mutants`` — mutation testing (mutmut) of the engine, limiter, arena, protocol and server;
+  the score per module goes in docs/reliability.md (not part of ``ci``: about an hour here).
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
   matrix corners and ``vllm``.
 
@@ -34,8 +36,10 @@ backend.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import nox
@@ -276,3 +280,59 @@ def ci(session: nox.Session) -> None:
     session.notify("tests-3.13(latest)")
     session.notify("vllm")
     session.notify("docs")
+
+
+# What `nox -s mutants` mutates (pyproject.toml's [tool.mutmut] has the same list).
+MUTATED_MODULES = ("prefetch", "limiter", "memory", "protocol", "server")
+MUTANTS_MIN_SCORE = 85.0
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def mutants(session: nox.Session) -> None:
+    """Mutation testing with mutmut over the modules that own pins, buffers and answers.
+
+    Every mutant (a small change to one function) runs the tests among pyproject.toml's
+    ``[tool.mutmut]`` selection that call that function; it is *killed* when one fails (or
+    hangs: a timeout).  The run starts from scratch, prints the score per module and fails
+    under 85 % killed.  ``nox -s mutants -- NAME...`` re-runs only the mutants named (glob
+    patterns, e.g. ``"lmprefetch.limiter*"``) on the last run's results.  torch (the local CPU
+    wheel) is installed so that the torch buffer backend is exercised too.
+    """
+    _need_redis(session)  # the tier conformance suite runs against real redis-server
+    session.install("torch==2.13.0")
+    session.install("-e", ".[test,redis]", "mutmut==3.8.1")
+    if not session.posargs:
+        shutil.rmtree(HERE / "mutants", ignore_errors=True)  # no results cached from before
+    session.run("mutmut", "run", "--max-children", str(min(os.cpu_count() or 2, 4)),
+                *session.posargs)  # fmt: skip
+    listing = session.run("mutmut", "results", "--all", "true", silent=True)
+    score = _mutation_scores(str(listing))
+    if score < MUTANTS_MIN_SCORE:
+        session.error(f"mutation score {score:.1f} % is under {MUTANTS_MIN_SCORE} %")
+
+
+def _mutation_scores(listing: str) -> float:
+    """Print killed / total per module from ``mutmut results --all true``; return the total
+    score.  Timeouts (a hang the tests noticed) count as killed, and so do segfaults."""
+    per_module: dict[str, Counter[str]] = {}
+    for line in listing.splitlines():
+        found = re.match(r"\s*lmprefetch\.(\w+)\.x\S*: (.+)$", line)
+        if found:
+            per_module.setdefault(found[1], Counter())[found[2].strip()] += 1
+    killed_states = ("killed", "timeout", "segfault")
+    rows = []
+    all_killed = all_total = 0
+    for module in MUTATED_MODULES:
+        counts = per_module.get(module, Counter())
+        total = sum(counts.values())
+        killed = sum(counts[s] for s in killed_states)
+        all_killed += killed
+        all_total += total
+        others = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()) if s != "killed")
+        percent = 100 * killed / max(total, 1)
+        rows.append(f"{module + '.py':14} {killed:5} / {total:5}  {percent:5.1f} %  ({others})")
+    score = 100 * all_killed / max(all_total, 1)
+    print("module           killed / total")
+    print("\n".join(rows))
+    print(f"{'all':14} {all_killed:5} / {all_total:5}  {score:5.1f} %")
+    return score

@@ -22,6 +22,7 @@ grant (a granted weight is never lost to a late ``Cancelled``) or a park in line
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -61,7 +62,7 @@ class WeightedCapacityLimiter:
         self._total = total
         self._used = 0
         self._waiters: OrderedDict[int, _Waiter] = OrderedDict()
-        self._next_ticket = 0
+        self._tickets = itertools.count()  # waiter ids; the dict's order is the line
 
     @property
     def total(self) -> int:
@@ -115,8 +116,7 @@ class WeightedCapacityLimiter:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return granted
         granted = self.clamp(weight)
-        ticket = self._next_ticket
-        self._next_ticket += 1
+        ticket = next(self._tickets)
         self._waiters[ticket] = _Waiter(trio.lowlevel.current_task(), granted)
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:

@@ -32,7 +32,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
-from itertools import accumulate
+from itertools import accumulate, count
 from typing import Any, Literal, cast
 
 import trio
@@ -88,18 +88,17 @@ class _Pins:
 
 
 class _Part:
-    """One tier's share of a lookup: chunks ``[first, first + n_chunks)``."""
+    """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
 
-    __slots__ = ("buffers", "first", "keys", "loaded", "n_chunks", "pins", "tier")
+    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier")
 
-    def __init__(self, tier: Tier, first: int, keys: list[ChunkKey], n_chunks: int, pins: _Pins):
+    def __init__(self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins):
         self.tier = tier
-        self.first = first
         self.keys = keys
         self.n_chunks = n_chunks
         self.pins = pins
         self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
-        self.loaded = 0  # whole chunks loaded contiguously from ``first``
+        self.loaded = 0  # whole chunks loaded contiguously from the part's first
 
     def release_buffers(self, start: int = 0) -> None:
         tail, self.buffers = self.buffers[start:], self.buffers[:start]
@@ -263,7 +262,7 @@ class Engine:
         # Results answered without a task (full CPU hits): (expiry time, tie-break, record).
         self._expiries: list[tuple[float, int, _Lookup]] = []
         self._expiry_scope = trio.CancelScope()
-        self._expiry_tie = 0
+        self._expiry_ties = count()  # orders equal deadlines; never compares records
         self._expiries_compact_at = _EXPIRIES_COMPACT_MIN
         self._expiry_task_scope = trio.CancelScope()
         nursery.start_soon(self._expire_held, name="lmprefetch-expiry")
@@ -414,8 +413,7 @@ class Engine:
         self._lookups[lookup_id] = rec
         expires = started + self.config.claim_ttl_s
         heap = self._expiries
-        heapq.heappush(heap, (expires, self._expiry_tie, rec))
-        self._expiry_tie += 1
+        heapq.heappush(heap, (expires, next(self._expiry_ties), rec))
         if len(heap) >= 2 * self._expiries_compact_at:
             # Claimed and cancelled results stay in the heap until their time comes (lazy
             # deletion); drop them now and then, so the heap tracks the results really held
@@ -458,7 +456,7 @@ class Engine:
     ) -> None:
         self._count_answer(hit_tokens, started, _call_back(on_answer, hit_tokens, lookup_id))
 
-    def _count_answer(self, hit_tokens: int, started: float, delivered: bool = True) -> None:
+    def _count_answer(self, hit_tokens: int, started: float, delivered: bool) -> None:
         if not delivered:  # the answer callback raised: a bug, counted where tests look
             self.counters["lookups_failed"] += 1
         if hit_tokens > 0:
@@ -553,7 +551,7 @@ class Engine:
                     pins.release_from(hit * kpc)  # round down to whole chunks
                     if hit == 0:
                         continue  # the next tier gets the same keys
-                    part = _Part(tier, next_chunk, remaining[: hit * kpc], hit, pins)
+                    part = _Part(tier, remaining[: hit * kpc], hit, pins)
                     parts.append(part)
                     next_chunk += hit
                     if zero_copy:
@@ -577,7 +575,7 @@ class Engine:
 
     def _take_zero_copy_hits(self, part: _Part) -> None:
         """Zero-copy: owner references on the cached buffers, taken synchronously."""
-        tier = cast(ZeroCopyTier, part.tier)
+        tier = cast(ZeroCopyTier, part.tier)  # pragma: no mutate (a type, not a value)
         part.buffers = tier.acquire(part.keys)
         part.loaded = len(part.buffers) // self._kpc
         part.release_buffers(part.loaded * self._kpc)
@@ -938,7 +936,10 @@ def _is_zero(n: int) -> bool:
 
 def _as_bytes_view(payload: Any, index: int) -> memoryview:
     if hasattr(payload, "detach") and hasattr(payload, "numpy"):  # a torch tensor
-        payload = payload.detach().cpu().contiguous().view(-1).numpy().view("uint8")
+        import torch  # importable: this is one of its tensors
+
+        # Its bytes as uint8 first: numpy has no bfloat16 (nor fp8), the usual KV dtypes.
+        payload = payload.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
     try:
         return memoryview(payload).cast("B")
     except TypeError:
@@ -994,8 +995,9 @@ def _open_tracker(
         chunk_size=config.chunk_size,
         mode=mode,
         max_pending=config.kv_events_max_pending,
-        # A chunk on no tier may still be landed by a write-behind: keep the names of as many.
-        orphan_limit=config.disk_write_queue + config.redis_write_queue + 64,
+        # A chunk on no tier may still be landed by a write-behind: keep the names of as many
+        # (a size with some slack, not a rule a test could pin down).
+        orphan_limit=config.disk_write_queue + config.redis_write_queue + 64,  # pragma: no mutate
     )
     if mode == "chunks":
         tracker.clear_all()

@@ -10,7 +10,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmprefetch.limiter import WeightedCapacityLimiter
+from lmprefetch.limiter import LimiterStatistics, WeightedCapacityLimiter
 
 
 async def test_fast_path_grants_and_release_is_sync() -> None:
@@ -139,6 +139,56 @@ async def test_release_more_than_used_raises() -> None:
         lim.release(1)
     with pytest.raises(ValueError, match="total"):
         WeightedCapacityLimiter(0)
+
+
+@pytest.mark.parametrize("total", [0, -3, True, 2.5, "4"])
+def test_a_total_that_is_not_a_positive_int_is_refused_naming_it(total: object) -> None:
+    with pytest.raises(ValueError, match="total"):
+        WeightedCapacityLimiter(total)  # type: ignore[arg-type]
+
+
+async def test_a_negative_weight_is_refused_naming_it_and_takes_nothing() -> None:
+    lim = WeightedCapacityLimiter(4)
+    with pytest.raises(ValueError, match="weight"):
+        lim.acquire_nowait(-1)
+    with pytest.raises(ValueError, match="weight"):
+        await lim.acquire(-1)
+    assert lim.used == 0
+    assert lim.statistics().tasks_waiting == 0
+
+
+async def test_a_release_of_more_than_is_held_says_how_much_and_changes_nothing() -> None:
+    lim = WeightedCapacityLimiter(4)
+    await lim.acquire(2)
+    with pytest.raises(RuntimeError, match="release of 3 with only 2 in use"):
+        lim.release(3)
+    with pytest.raises(RuntimeError, match="release of -1"):
+        lim.release(-1)
+    assert lim.used == 2
+    lim.release(0)  # releasing nothing is allowed (a part that got no weight)
+    lim.release(2)
+    assert lim.used == 0
+
+
+async def test_statistics_count_the_waiters_and_their_clamped_weight() -> None:
+    lim = WeightedCapacityLimiter(5)
+    await lim.acquire(4)
+    async with trio.open_nursery() as nursery:
+        # One at a time: Trio may run tasks started together in either order.
+        nursery.start_soon(lim.acquire, 3)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(lim.acquire, 9)  # clamped to the capacity, 5
+        await trio.testing.wait_all_tasks_blocked()
+        assert lim.statistics() == LimiterStatistics(
+            total=5, used=4, tasks_waiting=2, weight_waiting=8
+        )
+        lim.release(4)  # the 3 goes in; the 5 still does not fit
+        assert lim.statistics() == LimiterStatistics(
+            total=5, used=3, tasks_waiting=1, weight_waiting=5
+        )
+        lim.release(3)
+    assert lim.statistics() == LimiterStatistics(total=5, used=5, tasks_waiting=0, weight_waiting=0)
+    lim.release(5)
 
 
 async def test_handoff_charges_before_waiter_runs() -> None:

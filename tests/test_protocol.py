@@ -198,6 +198,8 @@ def test_byte_layout() -> None:
         ([1, 2], [256, -1], 0, "offsets[1]"),
         ([1], [256], -1, "skip_chunks"),
         ([1], [256], 2, "skip_chunks"),
+        ([1, 2, 3], [1, 2**32 - 1, 1], 0, None),  # the edges of a token count
+        ([1, 2], [1, 2**32], 0, "offsets[1] must be a token count of 1 to 4294967295, got"),
     ],
 )
 def test_validate_request(
@@ -209,6 +211,16 @@ def test_validate_request(
     else:
         assert error is not None
         assert problem in error
+
+
+@pytest.mark.parametrize("decode", [decode_worker_message, decode_response])
+def test_a_frame_too_deep_for_msgspec_is_malformed_and_says_why(decode: Any) -> None:
+    """msgspec raises RecursionError, not DecodeError, for containers nested deep enough; the
+    decoders turn it into a DecodeError that still names what happened."""
+    deep = b"\x81\xa1x" + b"\x91" * 200_000 + b"\xc0"  # {"x": [[[...[nil]...]]]}
+    why = r"^MessagePack data is malformed: RecursionError"
+    with pytest.raises(msgspec.DecodeError, match=why):
+        decode(deep)
 
 
 # -- fuzzing --------------------------------------------------------------------------

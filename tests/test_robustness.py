@@ -458,6 +458,8 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
     n = 2000
     req, resp = ipc(), ipc()
     senders: set[str] = set()
+    waits = [0]  # sends that had to wait on the socket
+    reconnects = [0]
 
     class Recording(TrioZmqSocket):
         def send_nowait(self, data: bytes | memoryview) -> None:
@@ -466,11 +468,18 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
 
         async def send(self, data: bytes | memoryview) -> None:
             senders.add(trio.lowlevel.current_task().name)
+            waits[0] += 1
             await super().send(data)
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.linger = 0
+
+    def recv_within(seconds: float) -> bytes:
+        if not pull.poll(int(seconds * 1000)):
+            raise TimeoutError("an answer never arrived")
+        return pull.recv()
+
     try:
         with trio.fail_after(3 * LIMIT_S):
             async with (
@@ -478,6 +487,13 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
                 serve_lookups(engine, req, resp, hwm=1) as server,
             ):
                 server._answers = Recording(server._answers.socket)
+                connect_now = server._connect_now
+
+                def counted_connect_now() -> None:
+                    reconnects[0] += 1
+                    connect_now()
+
+                server._connect_now = counted_connect_now  # type: ignore[method-assign]
                 # Requests straight into the receive path (misses: answered synchronously).
                 for i in range(n):
                     server._handle(encode(LookupRequestMsg(f"r{i}", [i + 1], [CHUNK], seq=1)))
@@ -486,10 +502,11 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
                 # waits on the socket.
                 await trio.testing.wait_all_tasks_blocked()
                 assert server.stats()["answers_waited"] == 1
+                assert reconnects == [1]  # nothing sent yet: the connection is retried once
                 pull.bind(resp)  # the scheduler arrives
                 seen: dict[str, int] = {}
                 for _ in range(n):
-                    buf = await trio.to_thread.run_sync(pull.recv)
+                    buf = await trio.to_thread.run_sync(recv_within, LIMIT_S)
                     lookup_id = decode_response(buf).lookup_id
                     seen[lookup_id] = seen.get(lookup_id, 0) + 1
                 assert len(seen) == n and set(seen.values()) == {1}
@@ -497,6 +514,10 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
                 stats = server.stats()
                 assert stats["answers_sent"] == stats["requests_accepted"] == n
                 assert stats["answers_queued"] == 0
+                assert stats["answers_waited"] == waits[0]
+                # Once answers went through, a full pipe is the high-water mark, not a missing
+                # connection: the send task waits, it does not reconnect (and drop the pipe).
+                assert reconnects == [1]
     finally:
         pull.close()
         ctx.term()

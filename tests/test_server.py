@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmprefetch import Engine, PrefetchConfig, open_engine, serve_lookups, transport
+from lmprefetch.prefetch import LookupState
 from lmprefetch.protocol import (
     LookupCleanupMsg,
     LookupRequestMsg,
@@ -337,3 +338,38 @@ async def test_a_worker_whose_scheduler_came_back_answers_without_waiting_for_a_
             monitor.close(0)
         early.close(0)
         ctx.term()
+
+
+async def test_a_stale_cleanup_leaves_the_newer_lookup_alone(config: PrefetchConfig) -> None:
+    """A cleanup for an older use of an id (it crossed the newer request on the way) must not
+    cancel the newer lookup; a cleanup with the current ``seq`` does."""
+    with trio.fail_after(10):
+        async with served(config) as (engine, _, peer):
+            toks = list(range(8))
+            await engine.store(toks, [b"x" * 8] * 2)
+            peer.request("r", engine.hasher.hash(toks), seq=2)
+            assert (await peer.answer()).num_hit_tokens == 8
+            peer.send(encode(LookupCleanupMsg("r", seq=1)))  # stale
+            peer.request("marker", [12345], seq=1)  # after the cleanup, on the same socket
+            assert (await peer.answer()).lookup_id == "marker"
+            assert engine.lookup_state("r") is LookupState.HELD
+            peer.send(encode(LookupCleanupMsg("r", seq=2)))
+            await poll_until(engine, lambda: engine.lookup_state("r") is None)
+            assert engine.is_idle()
+
+
+async def test_skipped_chunks_count_as_hits_on_the_wire(config: PrefetchConfig) -> None:
+    """``skip_chunks``: chunks the engine has already; they count as hit tokens without being
+    probed, and the lookup goes on from the first one after them."""
+    with trio.fail_after(10):
+        async with served(config) as (engine, _, peer):
+            toks = list(range(16))
+            hashes = engine.hasher.hash(toks)
+            await engine.store(toks[:12], [b"x" * 8] * 3)
+            peer.request("unknown", [7, 8, 9], skip_chunks=2)
+            assert (await peer.answer()).num_hit_tokens == 2 * CHUNK
+            peer.request("known", hashes, skip_chunks=1)
+            assert (await peer.answer()).num_hit_tokens == 3 * CHUNK
+            with engine.claim("known") as chunks:
+                assert len(chunks) == 2  # chunks 1 and 2: the skipped one is not loaded
+            assert engine.is_idle()
