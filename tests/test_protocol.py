@@ -19,6 +19,8 @@ from lmprefetch.protocol import (
     validate_request,
 )
 
+from .fuzz.frames import FIELD_NAMES
+
 U64_MAX = 2**64 - 1
 I64_MIN = -(2**63)
 
@@ -241,21 +243,7 @@ _values = st.recursive(
     ),
     max_leaves=12,
 )
-_field_names = st.sampled_from(
-    [
-        "type",
-        "lookup_id",
-        "hashes",
-        "offsets",
-        "request_configs",
-        "seq",
-        "deadline_ms",
-        "skip_chunks",
-        "num_hit_tokens",
-        "worker_id",
-        "other",
-    ]
-)
+_field_names = st.sampled_from([*FIELD_NAMES, "other"])
 _tags = st.sampled_from(["LookupRequestMsg", "LookupResponseMsg", "LookupCleanupMsg", "Nope", ""])
 
 
