@@ -9,30 +9,68 @@ fails at start-up with a sentence a person can act on.
 
 Sizes are in bytes (``*_bytes``), durations in seconds (``*_s``).
 
+**One declaration per field.**  Each field states its type, bounds and meaning in one place,
+its annotation, e.g. ``Annotated[int, Meta(ge=1, le=4096, description="...")]``.  Everything else
+is derived from that declaration by :func:`describe_fields`: the checks (type, bounds, allowed
+names, text rules), the parsing of TOML values and environment variables, the variable's name
+(``LMPREFETCH_<FIELD>``), and the configuration reference in the documentation (type, default,
+allowed values, unit, meaning).  A declaration the checks cannot be derived from (a number
+without both bounds or without a unit, a field without a description or a default) fails
+when this module is imported, naming the field.
+
+Adding a field is one declaration in :class:`PrefetchConfig`, under the section comment it
+belongs to::
+
+    mooncake_segment_bytes: Annotated[
+        int,
+        Meta(ge=1 * MiB, le=1 * TiB, description="Size of the segment this worker ..."),
+    ] = 1 * GiB
+
+A number's unit comes from its name (``*_bytes``, ``*_s``) or ``Meta(extra={"unit": ...})``;
+durations use ``Annotated[_Seconds, Meta(description=...)]``; a ``str | None`` is off when
+unset (an empty variable means unset).  Only a rule that relates two fields needs code, a line in
+:func:`_check_rules`.  Code that needs the value reads ``config.mooncake_segment_bytes``.
+
 Nothing here does I/O except :meth:`PrefetchConfig.from_file` (one read at start-up).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import msgspec.inspect
+from msgspec import Meta
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["HASH_ALGORITHMS", "KV_DTYPES", "ConfigFileError", "PrefetchConfig"]
+__all__ = [
+    "ENV_PREFIX",
+    "HASH_ALGORITHMS",
+    "KV_DTYPES",
+    "ConfigFileError",
+    "FieldSpec",
+    "PrefetchConfig",
+    "describe_fields",
+]
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
+TiB = 1024 * GiB
+PiB = 1024 * TiB
 
+#: The prefix of the environment variables :meth:`PrefetchConfig.from_env` reads.
+ENV_PREFIX = "LMPREFETCH_"
 #: Hash functions :class:`~lmprefetch.hashing.ChunkHasher` knows.
 HASH_ALGORITHMS = ("blake2b", "sha256")
 #: KV dtypes a key may name (the name only travels in keys; payloads are opaque bytes).
@@ -60,104 +98,302 @@ class ConfigFileError(OSError, ValueError):
         return str(self.strerror)
 
 
+# -- what a declaration may say -----------------------------------------------------------------
+# Bounds and lengths are msgspec's own ``Meta`` constraints (``ge``, ``gt``, ``le``, ``lt``,
+# ``multiple_of``, ``min_length``, ``max_length``, ``pattern``), so msgspec enforces them too
+# when it decodes a config; the meaning is ``Meta(description=...)``.  What msgspec has no word
+# for goes into ``Meta(extra={...})`` under these keys:
+#
+# * ``unit``: the unit of a number whose name does not end in ``_bytes`` or ``_s``;
+# * ``one_of``: the values a text field may take;
+# * ``path``: a file-system path, which may be any text but NUL (os.fsencode writes lone
+#   surrogates back as the bytes they came from); other text must be valid UTF-8, because it
+#   is written into keys, URLs and commands;
+# * ``check``: a further rule of this one field, a function of the value returning what is
+#   wrong with it (a phrase like the others: "must ..., got <value>"), or ``None``.
+_EXTRA_KEYS = frozenset({"unit", "one_of", "path", "check"})
+
+#: The longest duration any ``*_s`` field may have (a year): past it a typo is more likely than
+#: intent, and deadlines stay well inside every clock's range.
+_YEAR_S = 365 * 24 * 3600.0
+#: A duration: more than 0 seconds, at most a year (also rejects NaN and infinity).
+_Seconds = Annotated[float, Meta(gt=0, le=_YEAR_S)]
+#: Text that must not be empty.
+_NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+def _no_at_sign(name: str) -> str | None:
+    # A key is its parts joined by "@"; a model name with one would read back as other parts.
+    if "@" in name:
+        return f"must not contain '@' (it separates the parts of a key), got {name!r}"
+    return None
+
+
+def _redis_urls(urls: str) -> str | None:
+    for url in (u.strip() for u in urls.split(",")):
+        if not url.startswith(("redis://", "rediss://")):
+            return f"each entry must start with redis:// or rediss://, got {url!r}"
+    return None
+
+
 class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """All settings of an lmprefetch engine and of the scheduler-side client.
 
-    Each field has a default, so ``PrefetchConfig()`` is a working CPU-only setup.
+    Each field has a default, so ``PrefetchConfig()`` is a working CPU-only setup.  Each
+    field's annotation declares its type, bounds and meaning (see the module's docstring); the
+    configuration reference in the documentation is generated from them.
     """
 
     # -- chunking and keys ------------------------------------------------------------
-    #: Tokens per chunk; one key (one per layer in layerwise mode) per chunk.
-    chunk_size: int = 256
-    #: Also store and look up a trailing chunk shorter than ``chunk_size``
-    #: (LMCache's ``save_unfull_chunk``).
-    save_partial_chunks: bool = False
-    #: ``blake2b`` (default) or ``sha256``; deterministic across processes.
-    hash_algorithm: str = "blake2b"
-    #: Names the model in every key, so engines serving different models never share
-    #: chunks; must not contain ``@``.  The vLLM connector sets it to the model path.
-    model_name: str = "model"
-    #: Names the KV dtype in every key (payloads are opaque bytes; the name only keeps
-    #: dtypes apart).  The vLLM connector sets it from the KV cache tensors.
-    kv_dtype: str = "bfloat16"
-    #: Layerwise mode: every chunk has ``num_layers`` keys, one per layer.
-    layerwise: bool = False
-    #: Layers per chunk in layerwise mode (ignored otherwise); ``chunk_bytes`` must be a
-    #: multiple of it.
-    num_layers: int = 1
+    chunk_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 20,
+            extra={"unit": "tokens"},
+            description="Tokens per chunk; one key (one per layer in layerwise mode) per chunk.",
+        ),
+    ] = 256
+    save_partial_chunks: Annotated[
+        bool,
+        Meta(
+            description="Also store and look up a trailing chunk shorter than ``chunk_size`` "
+            "(LMCache's ``save_unfull_chunk``)."
+        ),
+    ] = False
+    hash_algorithm: Annotated[
+        str,
+        Meta(
+            extra={"one_of": HASH_ALGORITHMS},
+            description="The hash function of chunk hashes; deterministic across processes.",
+        ),
+    ] = "blake2b"
+    model_name: Annotated[
+        _NonEmpty,
+        Meta(
+            extra={"check": _no_at_sign},
+            description="Names the model in every key, so engines serving different models "
+            "never share chunks; must not contain ``@``.  The vLLM connector sets it to the "
+            "model path.",
+        ),
+    ] = "model"
+    kv_dtype: Annotated[
+        str,
+        Meta(
+            extra={"one_of": KV_DTYPES},
+            description="Names the KV dtype in every key (payloads are opaque bytes; the name "
+            "only keeps dtypes apart).  The vLLM connector sets it from the KV cache tensors.",
+        ),
+    ] = "bfloat16"
+    layerwise: Annotated[
+        bool,
+        Meta(description="Layerwise mode: every chunk has ``num_layers`` keys, one per layer."),
+    ] = False
+    num_layers: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=4096,
+            extra={"unit": "layers"},
+            description="Layers per chunk in layerwise mode (ignored otherwise); "
+            "``chunk_bytes`` must be a multiple of it.",
+        ),
+    ] = 1
 
     # -- time -------------------------------------------------------------------------
-    #: The scheduler gives up on a lookup after this long, answers 0 and cancels it.
-    lookup_timeout_s: float = 3.0
-    #: A prefetched result nobody claims is released after this long.
-    claim_ttl_s: float = 30.0
-    #: Bound on one tier operation (probe or load) inside a lookup; a tier slower than
-    #: this ends the lookup's prefix at that tier.
-    tier_timeout_s: float = 2.0
+    lookup_timeout_s: Annotated[
+        _Seconds,
+        Meta(
+            description="The scheduler gives up on a lookup after this long, answers 0 and "
+            "cancels it."
+        ),
+    ] = 3.0
+    claim_ttl_s: Annotated[
+        _Seconds,
+        Meta(description="A prefetched result nobody claims is released after this long."),
+    ] = 30.0
+    tier_timeout_s: Annotated[
+        _Seconds,
+        Meta(
+            description="Bound on one tier operation (probe or load) inside a lookup; a tier "
+            "slower than this ends the lookup's prefix at that tier."
+        ),
+    ] = 2.0
 
     # -- memory -----------------------------------------------------------------------
-    #: Size of the host-memory arena (the CPU tier and all prefetch buffers).
-    cpu_bytes: int = 1 * GiB
-    #: Size of one chunk's payload (all layers); the arena's slot size in
-    #: non-layerwise mode.
-    chunk_bytes: int = 2 * MiB
-    #: ``bytes`` (plain anonymous memory) or ``torch`` (a uint8 tensor, pinned when
-    #: CUDA is available; needs the ``torch`` extra).
-    buffer_backend: str = "bytes"
-    #: Bytes of the arena (from its first slot: the slots handed out first) mapped into
-    #: memory when the engine opens, so the first loads into them do not page-fault (a fresh
-    #: slot's first load is several times slower otherwise).  Costs start-up time, about
-    #: 0.3–1 s per GiB on a small VM, and makes that much memory resident at once; 0 maps
-    #: every slot lazily on first use.  Capped at ``cpu_bytes``.
-    arena_prefault_bytes: int = 1 * GiB
+    cpu_bytes: Annotated[
+        int,
+        Meta(
+            ge=2,
+            le=256 * TiB,
+            description="Size of the host-memory arena (the CPU tier and all prefetch "
+            "buffers); at least two chunks of ``chunk_bytes``.",
+        ),
+    ] = 1 * GiB
+    chunk_bytes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=4 * GiB,
+            description="Size of one chunk's payload (all layers); the arena's slot size in "
+            "non-layerwise mode.",
+        ),
+    ] = 2 * MiB
+    buffer_backend: Annotated[
+        str,
+        Meta(
+            extra={"one_of": _BUFFER_BACKENDS},
+            description="``bytes`` (plain anonymous memory) or ``torch`` (a uint8 tensor, "
+            "pinned when CUDA is available; needs the ``torch`` extra).",
+        ),
+    ] = "bytes"
+    arena_prefault_bytes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=256 * TiB,
+            description="Bytes of the arena (from its first slot: the slots handed out first) "
+            "mapped into memory when the engine opens, so the first loads into them do not "
+            "page-fault (a fresh slot's first load is several times slower otherwise).  Costs "
+            "start-up time, about 0.3–1 s per GiB on a small VM, and makes that much memory "
+            "resident at once; 0 maps every slot lazily on first use.  Capped at "
+            "``cpu_bytes``.",
+        ),
+    ] = 1 * GiB
 
     # -- disk tier --------------------------------------------------------------------
-    #: Directory of the disk tier; ``None`` disables it.
-    disk_path: str | None = None
-    #: Disk tier capacity; least recently used unpinned files are evicted past it.
-    disk_bytes: int = 16 * GiB
-    #: Read chunk files with ``O_DIRECT`` when sizes and alignment allow it.
-    disk_o_direct: bool = False
-    #: Worker threads reading chunk files at once.
-    disk_read_threads: int = 4
-    #: Chunks waiting for their write-behind to disk; past this, stores are dropped
-    #: from the disk tier (and counted), never blocking the caller.
-    disk_write_queue: int = 1024
+    disk_path: Annotated[
+        _NonEmpty | None,
+        Meta(
+            extra={"path": True},
+            description="Directory of the disk tier; unset (``None``) disables it.",
+        ),
+    ] = None
+    disk_bytes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=64 * PiB,
+            description="Disk tier capacity; least recently used unpinned files are evicted "
+            "past it.  At least one chunk of ``chunk_bytes``.",
+        ),
+    ] = 16 * GiB
+    disk_o_direct: Annotated[
+        bool,
+        Meta(description="Read chunk files with ``O_DIRECT`` when sizes and alignment allow it."),
+    ] = False
+    disk_read_threads: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1024,
+            extra={"unit": "threads"},
+            description="Worker threads reading chunk files at once.",
+        ),
+    ] = 4
+    disk_write_queue: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 24,
+            extra={"unit": "chunks"},
+            description="Chunks waiting for their write-behind to disk; past this, stores are "
+            "dropped from the disk tier (and counted), never blocking the caller.",
+        ),
+    ] = 1024
 
     # -- remote tier ------------------------------------------------------------------
-    #: ``redis://host:port`` for a standalone server, or a comma-separated list of
-    #: such URLs for a Redis Cluster; ``None`` disables the remote tier.
-    redis_url: str | None = None
-    #: Deadline of one Redis call.
-    redis_timeout_s: float = 1.0
-    #: Chunks waiting for their write-behind to Redis (full queue: drop and count).
-    redis_write_queue: int = 1024
-    #: Concurrent Redis calls (threads) per worker.
-    redis_threads: int = 4
-    #: After a failed Redis call the tier answers "miss" without touching the network for
-    #: this long, doubling up to ``redis_backoff_max_s`` while failures go on.
-    redis_backoff_initial_s: float = 0.5
-    #: The longest backoff after repeated Redis failures.
-    redis_backoff_max_s: float = 30.0
+    redis_url: Annotated[
+        str | None,
+        Meta(
+            extra={"check": _redis_urls},
+            description="``redis://host:port`` for a standalone server, or a comma-separated "
+            "list of such URLs for a Redis Cluster; unset (``None``) disables the remote tier.",
+        ),
+    ] = None
+    redis_timeout_s: Annotated[_Seconds, Meta(description="Deadline of one Redis call.")] = 1.0
+    redis_write_queue: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 24,
+            extra={"unit": "chunks"},
+            description="Chunks waiting for their write-behind to Redis (full queue: drop and "
+            "count).",
+        ),
+    ] = 1024
+    redis_threads: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1024,
+            extra={"unit": "threads"},
+            description="Concurrent Redis calls (threads) per worker.",
+        ),
+    ] = 4
+    redis_backoff_initial_s: Annotated[
+        _Seconds,
+        Meta(
+            description='After a failed Redis call the tier answers "miss" without touching '
+            "the network for this long, doubling up to ``redis_backoff_max_s`` while failures "
+            "go on."
+        ),
+    ] = 0.5
+    redis_backoff_max_s: Annotated[
+        _Seconds,
+        Meta(
+            description="The longest backoff after repeated Redis failures; at least "
+            "``redis_backoff_initial_s``."
+        ),
+    ] = 30.0
 
     # -- transport --------------------------------------------------------------------
-    #: ZeroMQ high-water mark (messages) on every lookup socket.
-    socket_hwm: int = 10_000
-    #: Largest lookup message a worker or client accepts; a peer that sends a larger frame
-    #: is disconnected.  A request costs about 12 bytes per chunk, so the default holds a
-    #: prompt of over 300 million tokens at the default chunk size.
-    max_message_bytes: int = 16 * MiB
+    socket_hwm: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=(1 << 31) - 1,  # a C int in libzmq
+            extra={"unit": "messages"},
+            description="ZeroMQ high-water mark (messages) on every lookup socket.",
+        ),
+    ] = 10_000
+    max_message_bytes: Annotated[
+        int,
+        Meta(
+            ge=1 * KiB,
+            le=1 * GiB,
+            description="Largest lookup message a worker or client accepts; a peer that sends "
+            "a larger frame is disconnected.  A request costs about 12 bytes per chunk, so the "
+            "default holds a prompt of over 300 million tokens at the default chunk size.",
+        ),
+    ] = 16 * MiB
 
     # -- KV events ----------------------------------------------------------------------
-    #: Emit KV events (``BlockStored`` / ``BlockRemoved``) for what the tiers hold, where a
-    #: consumer asks for them (vLLM's ``--kv-events-config``, ``lmprefetch worker
-    #: --events-endpoint``); ``False`` turns them off everywhere.
-    kv_events: bool = True
-    #: Events waiting for their consumer; past this, new events are dropped (and counted).
-    kv_events_max_pending: int = 100_000
+    kv_events: Annotated[
+        bool,
+        Meta(
+            description="Emit KV events (``BlockStored`` / ``BlockRemoved``) for what the tiers "
+            "hold, where a consumer asks for them (vLLM's ``--kv-events-config``, "
+            "``lmprefetch worker --events-endpoint``); ``false`` turns them off everywhere."
+        ),
+    ] = True
+    kv_events_max_pending: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 24,
+            extra={"unit": "events"},
+            description="Events waiting for their consumer; past this, new events are dropped "
+            "(and counted).",
+        ),
+    ] = 100_000
 
     def __post_init__(self) -> None:
-        _validate(self)
+        for spec in _FIELDS.values():
+            problem = spec.problem(getattr(self, spec.name))
+            if problem is not None:
+                raise ValueError(f"{spec.name}: {problem}")
+        _check_rules(self)
 
     # -- loading ----------------------------------------------------------------------
     @classmethod
@@ -175,20 +411,13 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(
                 f"config: expected a mapping of field names, got {type(data).__name__}"
             )
-        known = set(cls.__struct_fields__)
+        values: dict[str, Any] = {}
         for name, value in data.items():
-            if name not in known:
-                raise ValueError(
-                    f"{_shown(name)}: unknown PrefetchConfig field (known: {sorted(known)})"
-                )
-            if isinstance(value, str) and name != "disk_path" and not _is_utf8(value):
-                # Lone surrogates: an environment variable that is not UTF-8.  msgspec would
-                # fail on them with an error that names no field.
-                raise ValueError(f"{name}: must be valid UTF-8 text, got {value!r}")
-        try:
-            return msgspec.convert(dict(data), cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ValueError(_field_message(str(exc))) from None
+            spec = _FIELDS.get(name) if isinstance(name, str) else None
+            if spec is None:
+                raise ValueError(f"{_shown(name)}: unknown PrefetchConfig field{_hint(name)}")
+            values[name] = spec.parse(value)
+        return cls(**values)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> PrefetchConfig:
@@ -196,66 +425,64 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
         Raises:
             ValueError: the file is not valid TOML or holds an invalid field (the message names
-                the file or the field), or it cannot be read: then it is a
+                the field, then the file), or it cannot be read: then it is a
                 :class:`ConfigFileError`, both an ``OSError`` and a ``ValueError``.
         """
-        try:
-            raw = Path(path).read_bytes()
-        except OSError as exc:
-            if isinstance(exc, FileNotFoundError):
-                what = "config file not found"
-            elif isinstance(exc, IsADirectoryError):
-                what = "is a directory, not a config file"
-            else:
-                what = f"cannot read the config file ({exc.strerror})"
-            raise ConfigFileError(exc.errno or 0, f"{_shown(str(path))}: {what}") from None
-        except ValueError as exc:  # a NUL, or a surrogate the file system cannot encode
-            raise ValueError(f"{_shown(str(path))}: not a usable file name ({exc})") from None
-        try:
-            doc = tomllib.loads(raw.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{_shown(str(path))}: not a valid TOML file: {exc}") from None
-        except RecursionError:  # tomllib is recursive: arrays or tables nested ~500 deep
-            raise ValueError(
-                f"{_shown(str(path))}: not a valid TOML file: values nested too deeply"
-            ) from None
-        table = doc.get("lmprefetch", doc)
-        if not isinstance(table, dict):
-            raise ValueError(f"{_shown(str(path))}: [lmprefetch] must be a table")
-        return cls.from_dict(table)
+        table = _read_toml(path)
+        where = f"in {_shown(str(path))}"
+        return _located(cls, table, dict.fromkeys(table, where))
 
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, *, prefix: str = "LMPREFETCH_"
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        prefix: str = ENV_PREFIX,
+        config_file: str | os.PathLike[str] | None = None,
     ) -> PrefetchConfig:
         """Build a config from ``LMPREFETCH_<FIELD>`` variables (e.g. ``LMPREFETCH_CHUNK_SIZE``).
 
-        ``LMPREFETCH_CONFIG`` names a TOML file read first; single variables override it.
-        An empty value for an optional field (``disk_path``, ``redis_url``) means ``None``.
+        The TOML file ``config_file`` (default: the one ``LMPREFETCH_CONFIG`` names, if any)
+        is read first; single variables override its fields, and the result is validated as
+        a whole.  An empty value for an optional field (``disk_path``, ``redis_url``) means
+        ``None``.
+
+        Args:
+            environ: the variables (default: ``os.environ``).
+            prefix: the variables' common prefix.
+            config_file: a TOML file to read instead of the one ``LMPREFETCH_CONFIG`` names
+                (``lmprefetch worker --config``).
 
         Raises:
             ValueError: a variable with the prefix names no field (a typo must not be
-                ignored silently), or a value is invalid; the message names it.
+                ignored silently), or a value is invalid; the message names the field (or
+                the unknown variable) and says which variable or file set it.
         """
         env = os.environ if environ is None else environ
-        known = {prefix + name.upper() for name in cls.__struct_fields__} | {prefix + "CONFIG"}
+        config_var = prefix + "CONFIG"
+        by_var = {prefix + name.upper(): name for name in _FIELDS}
         for var in sorted(env):
-            if var.startswith(prefix) and var not in known:
+            if var.startswith(prefix) and var != config_var and var not in by_var:
+                field = var[len(prefix) :].lower()
+                hint = _hint(field, prefix=prefix)
                 raise ValueError(
                     f"{_shown(var)}: unknown variable: no PrefetchConfig field is called "
-                    f"{var[len(prefix):].lower()!r} (known: {prefix}CONFIG and "
-                    f"{prefix}<FIELD> for the fields {sorted(cls.__struct_fields__)})"
+                    f"{field!r}{hint}"
                 )
-        base: dict[str, Any] = {}
-        config_file = env.get(prefix + "CONFIG")
-        if config_file:
-            base = msgspec.structs.asdict(cls.from_file(config_file))
-        for name in cls.__struct_fields__:
-            value = env.get(prefix + name.upper())
+        values: dict[str, Any] = {}
+        where: dict[str, str] = {}
+        if config_file is None:
+            config_file = env.get(config_var) or None
+        if config_file is not None:
+            values = _read_toml(config_file)
+            where = dict.fromkeys(values, f"in {_shown(str(config_file))}")
+        for var, name in by_var.items():
+            value = env.get(var)
             if value is None:
                 continue
-            base[name] = None if (value == "" and name in _OPTIONAL_FIELDS) else value
-        return cls.from_dict(base)
+            values[name] = None if (value == "" and _FIELDS[name].optional) else value
+            where[name] = f"from {_shown(var)}"
+        return _located(cls, values, where)
 
     # -- derived ----------------------------------------------------------------------
     @property
@@ -281,131 +508,9 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return msgspec.structs.asdict(self)
 
 
-_OPTIONAL_FIELDS = frozenset({"disk_path", "redis_url"})
-
-
-def _shown(name: object) -> str:
-    """A name as an error message starts with it: as is if it is printable text, else its
-    ``repr`` (so that a message is always one line)."""
-    return name if isinstance(name, str) and name.isprintable() and name else repr(name)
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _field_message(text: str) -> str:
-    # msgspec says "Expected `int`, got `str` - at `$.chunk_size`"; put the field first.
-    if " - at `$." in text:
-        msg, _, where = text.rpartition(" - at `$.")
-        return f"{where.rstrip('`')}: {msg}"
-    field = text.partition(":")[0]
-    return text if field in PrefetchConfig.__struct_fields__ else f"config: {text}"
-
-
-def _check_type(
-    name: str, value: object, types: tuple[type, ...], *, allow_none: bool = False
-) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) and bool not in types:
-        raise ValueError(f"{name}: expected {types[0].__name__}, got bool")
-    if not isinstance(value, types):
-        raise ValueError(
-            f"{name}: expected {types[0].__name__}, got {type(value).__name__} {value!r}"
-        )
-
-
-#: Upper bounds of the integer fields: far beyond any real deployment, low enough that a typo
-#: (an extra digit or ten) is an error naming the field instead of a failed allocation.
-_INT_MAX = {
-    "chunk_size": 1 << 20,
-    "num_layers": 4096,
-    "cpu_bytes": 1 << 48,  # 256 TiB
-    "arena_prefault_bytes": 1 << 48,
-    "chunk_bytes": 1 << 32,  # 4 GiB
-    "disk_bytes": 1 << 56,  # 64 PiB
-    "disk_read_threads": 1024,
-    "disk_write_queue": 1 << 24,
-    "redis_write_queue": 1 << 24,
-    "redis_threads": 1024,
-    "socket_hwm": (1 << 31) - 1,  # a C int in libzmq
-    "max_message_bytes": 1 << 30,
-    "kv_events_max_pending": 1 << 24,
-}
-#: The longest duration any ``*_s`` field may have (a year): past it a typo is more likely
-#: than intent, and deadlines stay well inside every clock's range.
-_SECONDS_MAX = 365 * 24 * 3600.0
-
-
-def _validate(c: PrefetchConfig) -> None:
-    ints = (
-        "chunk_size",
-        "num_layers",
-        "cpu_bytes",
-        "arena_prefault_bytes",
-        "chunk_bytes",
-        "disk_bytes",
-        "disk_read_threads",
-        "disk_write_queue",
-        "redis_write_queue",
-        "redis_threads",
-        "socket_hwm",
-        "max_message_bytes",
-        "kv_events_max_pending",
-    )
-    for name in ints:
-        _check_type(name, getattr(c, name), (int,))
-        value = getattr(c, name)
-        if value > _INT_MAX[name]:
-            raise ValueError(f"{name}: must be at most {_INT_MAX[name]}, got {value}")
-    for name in (
-        "lookup_timeout_s",
-        "claim_ttl_s",
-        "tier_timeout_s",
-        "redis_timeout_s",
-        "redis_backoff_initial_s",
-        "redis_backoff_max_s",
-    ):
-        _check_type(name, getattr(c, name), (float, int))
-        value = getattr(c, name)
-        if not 0 < value <= _SECONDS_MAX:  # also rejects NaN and infinity
-            raise ValueError(
-                f"{name}: must be a positive number of seconds, at most {_SECONDS_MAX:.0f}, "
-                f"got {value!r}"
-            )
-    for name in ("save_partial_chunks", "layerwise", "disk_o_direct", "kv_events"):
-        _check_type(name, getattr(c, name), (bool,))
-    for name in ("hash_algorithm", "model_name", "kv_dtype", "buffer_backend"):
-        _check_type(name, getattr(c, name), (str,))
-    _check_type("disk_path", c.disk_path, (str,), allow_none=True)
-    _check_type("redis_url", c.redis_url, (str,), allow_none=True)
-    # Keys (model_name) and URLs are written as UTF-8; a path may be any bytes but NUL.
-    for name in ("model_name", "redis_url"):
-        value = getattr(c, name)
-        if value is not None and not _is_utf8(value):
-            raise ValueError(f"{name}: must be valid UTF-8 text, got {value!r}")
-    if c.disk_path is not None and "\x00" in c.disk_path:
-        raise ValueError(f"disk_path: must not contain a NUL character, got {c.disk_path!r}")
-
-    if c.chunk_size < 1:
-        raise ValueError(f"chunk_size: must be at least 1 token, got {c.chunk_size}")
-    if c.hash_algorithm not in HASH_ALGORITHMS:
-        raise ValueError(
-            f"hash_algorithm: must be one of {HASH_ALGORITHMS}, got {c.hash_algorithm!r}"
-        )
-    if not c.model_name or "@" in c.model_name:
-        raise ValueError(f"model_name: must be non-empty and contain no '@', got {c.model_name!r}")
-    if c.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: must be one of {KV_DTYPES}, got {c.kv_dtype!r}")
-    if c.num_layers < 1:
-        raise ValueError(f"num_layers: must be at least 1, got {c.num_layers}")
-    if c.chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes: must be at least 1 byte, got {c.chunk_bytes}")
+def _check_rules(c: PrefetchConfig) -> None:
+    """The rules that relate two fields (each field's own rules are in its declaration).  The
+    message starts with the field to change."""
     if c.layerwise and c.chunk_bytes % c.num_layers:
         raise ValueError(
             f"chunk_bytes: in layerwise mode must be a multiple of num_layers "
@@ -416,42 +521,336 @@ def _validate(c: PrefetchConfig) -> None:
             f"cpu_bytes: must hold at least two chunks of chunk_bytes ({c.chunk_bytes}), "
             f"got {c.cpu_bytes}"
         )
-    if c.arena_prefault_bytes < 0:
-        raise ValueError(
-            f"arena_prefault_bytes: must be 0 (no pre-faulting) or more, got "
-            f"{c.arena_prefault_bytes}"
-        )
-    if c.buffer_backend not in _BUFFER_BACKENDS:
-        raise ValueError(
-            f"buffer_backend: must be one of {_BUFFER_BACKENDS}, got {c.buffer_backend!r}"
-        )
-    if c.disk_path is not None and not c.disk_path:
-        raise ValueError("disk_path: must be a directory path or None, got an empty string")
     if c.disk_bytes < c.chunk_bytes:
         raise ValueError(
             f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}"
         )
-    for name in (
-        "disk_read_threads",
-        "disk_write_queue",
-        "redis_write_queue",
-        "redis_threads",
-        "socket_hwm",
-        "kv_events_max_pending",
-    ):
-        if getattr(c, name) < 1:
-            raise ValueError(f"{name}: must be at least 1, got {getattr(c, name)}")
-    if c.max_message_bytes < 1024:
-        raise ValueError(f"max_message_bytes: must be at least 1024, got {c.max_message_bytes}")
     if c.redis_backoff_max_s < c.redis_backoff_initial_s:
         raise ValueError(
             f"redis_backoff_max_s: must be at least redis_backoff_initial_s "
             f"({c.redis_backoff_initial_s}), got {c.redis_backoff_max_s}"
         )
-    if c.redis_url is not None:
-        urls = [u.strip() for u in c.redis_url.split(",")]
-        for url in urls:
-            if not (url.startswith("redis://") or url.startswith("rediss://")):
-                raise ValueError(
-                    f"redis_url: each entry must start with redis:// or rediss://, got {url!r}"
-                )
+
+
+# -- the declarations, read ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field of a config class as its declaration states it (see :func:`describe_fields`).
+
+    Everything that checks, parses or documents a field reads it from here.
+    """
+
+    name: str
+    #: ``int``, ``float``, ``bool`` or ``str`` (a ``float`` field also takes an ``int``).
+    type: type
+    #: ``None`` is allowed (and means "off").
+    optional: bool
+    default: Any
+    #: What the field means (``Meta(description=...)``), in reStructuredText.
+    description: str
+    #: ``bytes``, ``seconds``, or ``extra["unit"]``; ``""`` for flags, names and paths.
+    unit: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    multiple_of: float | None = None
+    min_length: int | None = None
+    max_length: int | None = None
+    pattern: str | None = None
+    one_of: tuple[str, ...] | None = None
+    #: A file-system path: any text but NUL (other text must be valid UTF-8).
+    path: bool = False
+    check: Callable[[Any], str | None] | None = None
+
+    @property
+    def type_name(self) -> str:
+        """The type as a person writes it: ``int``, ``str | None``."""
+        return self.type.__name__ + (" | None" if self.optional else "")
+
+    @property
+    def env_var(self) -> str:
+        """The environment variable :meth:`PrefetchConfig.from_env` reads for this field."""
+        return ENV_PREFIX + self.name.upper()
+
+    def bounds_text(self) -> str:
+        """The declared bounds in words (``at least 1 and at most 4096 layers``), or ``""``."""
+        bounds = [
+            (words, bound)
+            for words, bound in (
+                ("at least", self.ge),
+                ("more than", self.gt),
+                ("at most", self.le),
+                ("less than", self.lt),
+                ("a multiple of", self.multiple_of),
+            )
+            if bound is not None
+        ]
+        return " and ".join(
+            f"{words} {_amount(bound, self.unit, with_unit=i == len(bounds) - 1)}"
+            for i, (words, bound) in enumerate(bounds)
+        )
+
+    def parse(self, value: Any) -> Any:
+        """``value`` as this field's type: from TOML, or from text (``"256"``, ``"true"``).
+
+        Only the type is checked here; the value's rules are checked when the config is built.
+
+        Raises:
+            ValueError: the value cannot be read as this type; the message names the field.
+        """
+        if isinstance(value, str) and not self.path and not _is_utf8(value):
+            # Lone surrogates: an environment variable that is not UTF-8.  msgspec would fail
+            # on them with an error that names no field.
+            raise ValueError(f"{self.name}: must be valid UTF-8 text, got {value!r}")
+        target: Any = self.type | None if self.optional else self.type
+        try:
+            return msgspec.convert(value, target, strict=False)
+        except msgspec.ValidationError as exc:
+            reason = str(exc)  # "Expected `int`, got `str`", or "Number out of range"
+            why = "" if reason.startswith("Expected") else f" ({reason[:1].lower()}{reason[1:]})"
+            raise ValueError(
+                f"{self.name}: expected {self.type_name}, got {type(value).__name__} "
+                f"{_short(value)}{why}"
+            ) from None
+
+    def problem(self, value: object) -> str | None:
+        """What is wrong with ``value`` for this field (a phrase such as ``must be at least 1,
+        got 0``), or ``None`` if it is a valid value."""
+        if value is None:
+            return None if self.optional else f"expected {self.type_name}, got None"
+        if not _is_a(value, self.type):
+            return f"expected {self.type_name}, got {type(value).__name__} {_short(value)}"
+        if isinstance(value, int | float) and not self._within_bounds(value):
+            return f"must be {self.bounds_text()}, got {value!r}"
+        if isinstance(value, str):
+            problem = self._text_problem(value)
+            if problem is not None:
+                return problem
+        return None if self.check is None else self.check(value)
+
+    def _within_bounds(self, value: float) -> bool:
+        # ``not value >= bound`` rather than ``value < bound``: NaN fails every bound.
+        return not (
+            (self.ge is not None and not value >= self.ge)
+            or (self.gt is not None and not value > self.gt)
+            or (self.le is not None and not value <= self.le)
+            or (self.lt is not None and not value < self.lt)
+            or (self.multiple_of is not None and value % self.multiple_of != 0)
+        )
+
+    def _text_problem(self, text: str) -> str | None:
+        if self.path:
+            if "\x00" in text:
+                return f"must not contain a NUL character, got {text!r}"
+        elif not _is_utf8(text):
+            return f"must be valid UTF-8 text, got {text!r}"
+        if self.min_length is not None and len(text) < self.min_length:
+            if self.min_length == 1:
+                return f"must not be empty, got {text!r}"
+            return f"must be at least {self.min_length} characters long, got {text!r}"
+        if self.max_length is not None and len(text) > self.max_length:
+            return f"must be at most {self.max_length} characters long, got {_short(text)}"
+        if self.pattern is not None:
+            import re
+
+            if re.search(self.pattern, text) is None:
+                return f"must match the pattern {self.pattern!r}, got {text!r}"
+        if self.one_of is not None and text not in self.one_of:
+            return f"must be one of {self.one_of}, got {text!r}"
+        return None
+
+
+_TYPES: dict[type, type] = {
+    msgspec.inspect.IntType: int,
+    msgspec.inspect.FloatType: float,
+    msgspec.inspect.BoolType: bool,
+    msgspec.inspect.StrType: str,
+}
+
+
+def describe_fields(cls: type[msgspec.Struct] | None = None) -> tuple[FieldSpec, ...]:
+    """Every field of ``cls`` (default: :class:`PrefetchConfig`) as its declaration states it,
+    in declaration order.
+
+    Reads the fields' annotations through :func:`msgspec.inspect.type_info`, so it sees what
+    msgspec sees: ``Meta`` constraints and descriptions, merged across nested ``Annotated``.
+
+    Raises:
+        TypeError: a declaration that the checks and the documentation cannot be derived from:
+            a field without a default or a description, a number without both a lower and an
+            upper bound or without a unit, a type other than ``int``, ``float``, ``bool`` or
+            ``str`` (each optionally ``| None``), or an unknown ``Meta(extra=...)`` key.  The
+            message names the field and says what to declare.
+    """
+    if cls is None:
+        return tuple(_FIELDS.values())
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return tuple(_describe(field) for field in info.fields)
+
+
+def _describe(field: msgspec.inspect.Field) -> FieldSpec:
+    name = field.name
+    kind, description, extra = field.type, "", dict[str, Any]()
+    optional = False
+    while True:  # Annotated (Metadata) and ``| None`` (a union with None), in any nesting
+        if isinstance(kind, msgspec.inspect.Metadata):
+            description = (kind.extra_json_schema or {}).get("description", description)
+            extra |= kind.extra or {}
+            kind = kind.type
+        elif isinstance(kind, msgspec.inspect.UnionType):
+            others = [t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType)]
+            if len(others) != 1:
+                raise TypeError(f"{name}: a field is one type, optionally `| None`")
+            optional, kind = True, others[0]
+        else:
+            break
+    if type(kind) not in _TYPES:
+        raise TypeError(f"{name}: a field is an int, float, bool or str (optionally `| None`)")
+    base = _TYPES[type(kind)]
+    if field.default is msgspec.NODEFAULT:
+        raise TypeError(f"{name}: every field needs a default")
+    if not description.strip():
+        raise TypeError(
+            f"{name}: no description; declare what it means: Annotated[{base.__name__}, "
+            "Meta(description=...)]"
+        )
+    unknown = set(extra) - _EXTRA_KEYS
+    if unknown:
+        raise TypeError(f"{name}: unknown Meta(extra=...) keys {sorted(unknown)}")
+    unit = str(extra.get("unit", ""))
+    if not unit and base in (int, float):
+        unit = "bytes" if name.endswith("_bytes") else "seconds" if name.endswith("_s") else ""
+    constraints = {
+        attr: getattr(kind, attr, None)
+        for attr in ("ge", "gt", "le", "lt", "multiple_of", "min_length", "max_length", "pattern")
+    }
+    if base in (int, float):
+        if constraints["ge"] is None and constraints["gt"] is None:
+            raise TypeError(f"{name}: a number needs a lower bound: Meta(ge=...) or Meta(gt=...)")
+        if constraints["le"] is None and constraints["lt"] is None:
+            raise TypeError(
+                f"{name}: a number needs an upper bound: Meta(le=...) or Meta(lt=...); far "
+                "beyond any real deployment, low enough that a typo is an error"
+            )
+        if not unit:
+            raise TypeError(
+                f"{name}: a number needs a unit: name it *_bytes or *_s, or declare "
+                'Meta(extra={"unit": ...})'
+            )
+    one_of = extra.get("one_of")
+    return FieldSpec(
+        name=name,
+        type=base,
+        optional=optional,
+        default=field.default,
+        description=" ".join(description.split()),
+        unit=unit,
+        one_of=tuple(one_of) if one_of is not None else None,
+        path=bool(extra.get("path", False)),
+        check=extra.get("check"),
+        **constraints,
+    )
+
+
+#: The fields of :class:`PrefetchConfig`, by name, read once at import: a declaration the
+#: checks cannot be derived from fails here, before any config is built.
+_FIELDS: dict[str, FieldSpec] = {spec.name: spec for spec in describe_fields(PrefetchConfig)}
+
+
+# -- loading helpers ----------------------------------------------------------------------------
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The table of fields in a TOML file: its top level, or its ``[lmprefetch]`` table."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            what = "config file not found"
+        elif isinstance(exc, IsADirectoryError):
+            what = "is a directory, not a config file"
+        else:
+            what = f"cannot read the config file ({exc.strerror})"
+        raise ConfigFileError(exc.errno or 0, f"{_shown(str(path))}: {what}") from None
+    except ValueError as exc:  # a NUL, or a surrogate the file system cannot encode
+        raise ValueError(f"{_shown(str(path))}: not a usable file name ({exc})") from None
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{_shown(str(path))}: not a valid TOML file: {exc}") from None
+    except RecursionError:  # tomllib is recursive: arrays or tables nested ~500 deep
+        raise ValueError(
+            f"{_shown(str(path))}: not a valid TOML file: values nested too deeply"
+        ) from None
+    table = doc.get("lmprefetch", doc)
+    if not isinstance(table, dict):
+        raise ValueError(f"{_shown(str(path))}: [lmprefetch] must be a table")
+    return table
+
+
+def _located(
+    cls: type[PrefetchConfig], values: Mapping[str, Any], where: Mapping[str, str]
+) -> PrefetchConfig:
+    """``cls.from_dict(values)``, with a bad value's message saying where it was set:
+    ``chunk_size: must be ..., got 0 (from LMPREFETCH_CHUNK_SIZE)``."""
+    try:
+        return cls.from_dict(values)
+    except ValueError as exc:
+        name = str(exc).partition(": ")[0]
+        if name in where:
+            raise ValueError(f"{exc} ({where[name]})") from None
+        raise
+
+
+def _hint(name: object, *, prefix: str = "") -> str:
+    """``; did you mean 'chunk_size'?`` for a near miss of a field's name, else ``""``."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name.lower(), _FIELDS, n=1, cutoff=0.75)
+    if not close:
+        return ""
+    return f"; did you mean {prefix + close[0].upper() if prefix else repr(close[0])}?"
+
+
+def _shown(name: object) -> str:
+    """A name as an error message starts with it: as is if it is printable text, else its
+    ``repr`` (so that a message is always one line)."""
+    return name if isinstance(name, str) and name.isprintable() and name else repr(name)
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to a length that fits in a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:76] + " ..."
+
+
+def _amount(value: float, unit: str, *, with_unit: bool = True) -> str:
+    """A bound in words: ``4096 layers``, ``4 GiB (4294967296 bytes)``; just the number if not
+    ``with_unit`` (the last of several bounds says the unit for them all)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if unit == "bytes" and value >= KiB:
+        for suffix, size in (("PiB", PiB), ("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+            if value % size == 0:
+                return f"{value // size} {suffix} ({value} bytes)"
+    if not with_unit or not unit:
+        return f"{value}"
+    if unit == "seconds" and value >= 86400 and value % 86400 == 0:
+        return f"{value} seconds ({value // 86400} days)"
+    return f"{value} {unit}"
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, int | float)
+    return isinstance(value, kind)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -3,13 +3,15 @@
 The configuration reference is generated from the code, so it cannot drift from it: the page
 ``docs/configuration.md`` holds the marker :data:`CONFIG_MARKER`, which
 :func:`on_page_markdown` replaces with :func:`render_config_reference` — one table per section
-of :class:`~lmprefetch.config.PrefetchConfig`, a row per field with its type (as annotated),
-default (read off the class), unit, environment variable and meaning (its ``#:`` comment).
+of :class:`~lmprefetch.config.PrefetchConfig`, a row per field with its type, default, allowed
+values, unit, environment variable and meaning, all read off the field's declaration
+(:func:`lmprefetch.config.describe_fields`).
 ``docs/vllm.md`` gets the table of ``kv_connector_extra_config`` options the same way
 (:data:`CONNECTOR_MARKER`, :func:`render_connector_options`).
 
-A field without a ``#:`` comment, a number without a known unit or a page without the marker
-fails the build: the generator raises instead of writing a row that says nothing.
+A field without a description, a number without bounds or unit (both already fail when
+``lmprefetch.config`` is imported) or a page without the marker fails the build: the generator
+raises instead of writing a row that says nothing.
 ``tests/test_docs.py`` runs the same generator.
 
 This module imports nothing from MkDocs, so the tests can use it without the ``docs`` extra.
@@ -22,119 +24,120 @@ import inspect
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmprefetch.config import FieldSpec
 
 CONFIG_MARKER = "<!-- lmprefetch: config-fields -->"
 CONNECTOR_MARKER = "<!-- lmprefetch: connector-options -->"
-ENV_PREFIX = "LMPREFETCH_"
-
-#: Units of the numeric fields whose name does not say it (``*_bytes`` are bytes and ``*_s``
-#: seconds, by the convention of ``lmprefetch/config.py``).
-UNITS = {
-    "chunk_size": "tokens",
-    "num_layers": "layers",
-    "disk_read_threads": "threads",
-    "redis_threads": "threads",
-    "disk_write_queue": "chunks",
-    "redis_write_queue": "chunks",
-    "socket_hwm": "messages",
-    "kv_events_max_pending": "events",
-}
 
 _SECTION = re.compile(r"^\s*# -- (?P<name>.+?) -+\s*$")
-_BINARY = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+_BINARY = (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
 @dataclass(frozen=True)
 class Field:
-    """One documented field of a config class."""
+    """One documented field of a config class: its declaration (``spec``) and its section."""
 
-    name: str
+    spec: FieldSpec
     section: str
-    annotation: str
-    default: Any
-    unit: str
-    meaning: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def annotation(self) -> str:
+        return self.spec.type_name
+
+    @property
+    def default(self) -> Any:
+        return self.spec.default
+
+    @property
+    def unit(self) -> str:
+        return self.spec.unit
+
+    @property
+    def meaning(self) -> str:
+        return self.spec.description
 
     @property
     def env_var(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-
-def unit_of(name: str, annotation: str) -> str:
-    """The unit of a field, ``""`` for one that has none (a flag, a name, a path)."""
-    if name in UNITS:
-        return UNITS[name]
-    if name.endswith("_bytes"):
-        return "bytes"
-    if name.endswith("_s"):
-        return "seconds"
-    if annotation in ("int", "float"):
-        raise ValueError(
-            f"{name}: a number without a known unit; name it *_bytes or *_s, or add it to "
-            "UNITS in tools/mkdocs_hooks.py"
-        )
-    return ""
+        return self.spec.env_var
 
 
 def config_fields(cls: type | None = None) -> list[Field]:
-    """Every field of ``cls`` (default: ``PrefetchConfig``) with its ``#:`` comment.
+    """Every field of ``cls`` (default: ``PrefetchConfig``) as declared, with its section.
 
-    The comment lines directly above a field are its meaning; the ``# -- name ---`` line above
-    a group of fields names its section.
+    Type, bounds, unit and meaning come from the field's declaration
+    (:func:`lmprefetch.config.describe_fields`); the ``# -- name ---`` line above a group of
+    fields names its section.
 
     Raises:
-        ValueError: a field has no ``#:`` comment, or is a number without a known unit.
+        TypeError: a declaration without a description, or a number without bounds or unit.
     """
-    import msgspec
+    from lmprefetch.config import PrefetchConfig, describe_fields
 
     if cls is None:
-        from lmprefetch.config import PrefetchConfig
-
         cls = PrefetchConfig
-    lines, _ = inspect.getsourcelines(cls)
-    source = textwrap.dedent("".join(lines))
-    lines = source.splitlines()
-    (class_def,) = ast.parse(source).body
+    specs = describe_fields(cls)
+    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
+    (class_def,) = ast.parse("\n".join(lines)).body
     assert isinstance(class_def, ast.ClassDef)
-    defaults = {f.name: f.default for f in msgspec.structs.fields(cls)}
-
-    fields: list[Field] = []
+    sections: dict[str, str] = {}
     for node in class_def.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        name = node.target.id
-        comment: list[str] = []
-        row = node.lineno - 2  # the line above the field (0-based)
-        while row >= 0 and lines[row].strip().startswith("#:"):
-            comment.insert(0, lines[row].strip()[2:].strip())
-            row -= 1
-        if not comment:
-            raise ValueError(
-                f"{name}: no '#:' comment above the field in {cls.__qualname__}; its meaning "
-                "is what the configuration reference shows"
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            sections[node.target.id] = next(
+                (
+                    m.group("name")
+                    for above in reversed(lines[: node.lineno - 1])
+                    if (m := _SECTION.match(above))
+                ),
+                "",
             )
-        section = ""
-        for above in reversed(lines[: node.lineno - 1]):
-            m = _SECTION.match(above)
-            if m:
-                section = m.group("name")
-                break
-        annotation = ast.unparse(node.annotation)
-        fields.append(
-            Field(
-                name=name,
-                section=section,
-                annotation=annotation,
-                default=defaults[name],
-                unit=unit_of(name, annotation),
-                meaning=" ".join(comment),
-            )
+    return [Field(spec, sections.get(spec.name, "")) for spec in specs]
+
+
+def format_amount(value: float, unit: str) -> str:
+    """A bound as the reference shows it: ``4 GiB`` for bytes, else the number."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if unit == "bytes":
+        for suffix, size in _BINARY:
+            if value >= size and value % size == 0:
+                return f"{value // size} {suffix}"
+    if unit == "seconds" and value >= 86400 and value % 86400 == 0:
+        return f"{value} ({value // 86400} days)"
+    return f"{value}"
+
+
+def allowed_values(field: Field) -> str:
+    """The values a field may take, from its declaration: ``1 … 4096``, ``> 0 … 31536000``,
+    ``one of ...``; ``—`` when any value of its type will do."""
+    spec = field.spec
+    if spec.one_of is not None:
+        return "one of " + ", ".join(f"`{v}`" for v in spec.one_of)
+    if spec.type in (int, float):
+        low = (
+            format_amount(spec.ge, spec.unit)
+            if spec.ge is not None
+            else f"> {format_amount(spec.gt, spec.unit)}"
+            if spec.gt is not None
+            else ""
         )
-    missing = set(defaults) - {f.name for f in fields}
-    if missing:  # pragma: no cover - a field declared some other way
-        raise ValueError(f"{sorted(missing)}: fields the generator could not read")
-    return fields
+        high = (
+            format_amount(spec.le, spec.unit)
+            if spec.le is not None
+            else f"< {format_amount(spec.lt, spec.unit)}"
+            if spec.lt is not None
+            else ""
+        )
+        return f"{low} … {high}"
+    if spec.min_length:
+        return "not empty"
+    return "—"
 
 
 def format_default(field: Field) -> str:
@@ -160,8 +163,6 @@ def _markdown_meaning(text: str) -> str:
 
 def render_config_reference(cls: type | None = None) -> str:
     """The Markdown tables of the configuration reference."""
-    from lmprefetch.config import KV_DTYPES
-
     out: list[str] = []
     section = None
     for field in config_fields(cls):
@@ -172,16 +173,13 @@ def render_config_reference(cls: type | None = None) -> str:
                 "",
                 f"### {title}",
                 "",
-                "| field | type | default | unit | meaning |",
-                "|---|---|---|---|---|",
+                "| field | type | default | allowed | unit | meaning |",
+                "|---|---|---|---|---|---|",
             ]
-        meaning = _markdown_meaning(field.meaning)
-        if field.name == "kv_dtype":
-            meaning += " One of " + ", ".join(f"`{d}`" for d in KV_DTYPES) + "."
         out.append(
             f'| <span id="{field.name}"></span>`{field.name}`<br>`{field.env_var}` '
-            f"| `{field.annotation}` | {format_default(field)} | {field.unit or '—'} "
-            f"| {meaning} |"
+            f"| `{field.annotation}` | {format_default(field)} | {allowed_values(field)} "
+            f"| {field.unit or '—'} | {_markdown_meaning(field.meaning)} |"
         )
     return "\n".join(out).strip() + "\n"
 
