@@ -11,14 +11,18 @@
 
 Start-up errors (bad options, configuration, endpoints or ports in use) print one line naming
 the problem and exit with status 2; a worker that fails while running exits with status 1 after
-logging the traceback.
+logging the traceback.  Ctrl-C prints one line and exits with status 130 (no traceback): during
+a worker's start-up it cancels the start-up, after it stops the worker (status 0, as SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -28,9 +32,69 @@ from .config import PrefetchConfig
 
 __all__ = ["main"]
 
+log = logging.getLogger("lmprefetch.cli")
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while the worker was starting: unwind like Ctrl-C (every
+    ``finally`` and ``except BaseException`` on the way cleans up), then exit 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt_start_up(signum: int, _frame: object) -> None:
+    # The first signal unwinds the start-up; should the unwinding hang, a second one ends the
+    # process at once (the kernel releases its memory and sockets).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_now)
+    raise _Signalled(signum)
+
+
+def _exit_now(signum: int, _frame: object) -> None:
+    os._exit(128 + signum)
+
+
+def _check_metrics_host(host: str) -> None:
+    """Resolve ``--metrics-host`` before anything starts, so that a name that does not
+    resolve is reported as what it is."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as exc:  # gaierror; a label IDNA cannot encode; a NUL
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"--metrics-host: cannot resolve {host!r} ({reason})") from None
+
+
+#: What binding the metrics server fails with, by the option to blame.
+_PORT_ERRORS = (errno.EADDRINUSE, errno.EACCES)
+_HOST_ERRORS = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+
+
+def _start_error(exc: OSError, host: str, port: int | None) -> ValueError:
+    """The one-line start-up error for an ``OSError`` out of ``WorkerRuntime.start``, naming the
+    option to change when it is the metrics server's bind that failed."""
+    reason = exc.strerror or str(exc)
+    where = f"{host}:{port}"
+    if port is not None and exc.errno in _PORT_ERRORS:
+        return ValueError(f"--metrics-port: cannot serve metrics on {where} ({reason})")
+    if port is not None and (isinstance(exc, socket.gaierror) or exc.errno in _HOST_ERRORS):
+        return ValueError(
+            f"--metrics-host: cannot serve metrics on {where} ({reason}; is {host!r} an "
+            "address of this machine?)"
+        )
+    return ValueError(f"worker: cannot start ({reason})")
+
 
 def _worker(args: argparse.Namespace) -> int:
-    """Run one worker rank until SIGTERM/SIGINT (exit 0) or until it fails (exit 1)."""
+    """Run one worker rank until SIGTERM/SIGINT (exit 0) or until it fails (exit 1).
+
+    A signal during start-up stops the start-up (it is cancelled and cleaned up) and exits
+    with 128 + the signal's number (130 for Ctrl-C), without serving.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt_start_up)
+
     import zmq
 
     from .publisher import EventsEndpointError
@@ -46,6 +110,11 @@ def _worker(args: argparse.Namespace) -> int:
         )
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port: must be 0 … 65535, got {args.metrics_port}")
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise ValueError("--metrics-host: metrics are served only with --metrics-port; give both")
+    metrics_host = "127.0.0.1" if args.metrics_host is None else args.metrics_host
+    if args.metrics_port is not None:
+        _check_metrics_host(metrics_host)
     for option, url in (
         ("--request-endpoint", args.request_endpoint),
         ("--response-endpoint", args.response_endpoint),
@@ -59,7 +128,8 @@ def _worker(args: argparse.Namespace) -> int:
             check_endpoint(args.events_endpoint)
         except ValueError as exc:
             raise ValueError(f"--events-endpoint: {exc}") from None
-    config = PrefetchConfig.from_file(args.config) if args.config else PrefetchConfig.from_env()
+    # The file (--config, else $LMPREFETCH_CONFIG), then LMPREFETCH_<FIELD> variables over it.
+    config = PrefetchConfig.from_env(config_file=args.config)
     if args.events_endpoint is not None and not config.kv_events:
         raise ValueError(
             "--events-endpoint: KV events are off in the configuration (kv_events = false)"
@@ -72,8 +142,13 @@ def _worker(args: argparse.Namespace) -> int:
     def on_failure(_exc: BaseException) -> None:
         stop.set()  # the traceback is logged already; main() below exits non-zero
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    log.info(
+        "lmprefetch worker rank %d/%d: starting on %s",
+        args.rank,
+        args.world_size,
+        args.request_endpoint,
+    )
+    runtime: WorkerRuntime | None = None
     try:
         runtime = WorkerRuntime.start(
             config,
@@ -82,11 +157,18 @@ def _worker(args: argparse.Namespace) -> int:
             request_endpoint=args.request_endpoint,
             response_endpoint=args.response_endpoint,
             metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
+            metrics_host=metrics_host,
             on_failure=on_failure,
             events_endpoint=args.events_endpoint,
             events_topic=args.events_topic,
         )
+        # Started: from now on a signal is the ordinary way to stop (exit 0).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+    except _Signalled:
+        if runtime is not None:  # the signal came after start() returned
+            runtime.close()
+        raise
     except EventsEndpointError as exc:
         raise ValueError(f"--events-endpoint: {exc}") from None
     except zmq.ZMQError as exc:
@@ -99,17 +181,14 @@ def _worker(args: argparse.Namespace) -> int:
             f"--request-endpoint {args.request_endpoint} / --response-endpoint "
             f"{args.response_endpoint}: cannot open the lookup sockets ({exc})"
         ) from None
-    except OSError as exc:  # the metrics server's bind
-        raise ValueError(
-            f"--metrics-port: cannot serve metrics on {args.metrics_host}:{args.metrics_port} "
-            f"({exc.strerror or exc})"
-        ) from None
+    except OSError as exc:  # the metrics server's bind, or the system refusing a resource
+        raise _start_error(exc, metrics_host, args.metrics_port) from None
     try:
         msg = (
             f"lmprefetch worker rank {args.rank}/{args.world_size} serving {args.request_endpoint}"
         )
         if runtime.metrics_port is not None:
-            msg += f", metrics on {args.metrics_host}:{runtime.metrics_port}"
+            msg += f", metrics on {metrics_host}:{runtime.metrics_port}"
         if runtime.publisher is not None:
             msg += f", KV events on {runtime.publisher.endpoint}"
         print(msg, flush=True)
@@ -173,14 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--request-endpoint", required=True, help="bound here, e.g. ipc://@w0")
     w.add_argument("--response-endpoint", required=True, help="the scheduler's answer endpoint")
-    w.add_argument("--config", help="TOML file with PrefetchConfig fields (else LMPREFETCH_* env)")
+    w.add_argument(
+        "--config",
+        help="TOML file with PrefetchConfig fields (default: $LMPREFETCH_CONFIG); "
+        "LMPREFETCH_<FIELD> variables override it",
+    )
     w.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free)"
     )
     w.add_argument(
         "--metrics-host",
-        default="127.0.0.1",
-        help="address the metrics server binds (default: 127.0.0.1; 0.0.0.0 for all)",
+        help="address the metrics server binds, with --metrics-port (default: 127.0.0.1; "
+        "0.0.0.0 for all)",
     )
     w.add_argument(
         "--events-endpoint",
@@ -215,16 +298,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    """Run the command; returns its exit status.
+
+    0 on success; 2 for a start-up error (one line on stderr naming the option, field or file
+    to fix); 130 when interrupted with Ctrl-C (143 for SIGTERM during a worker's start-up),
+    after one line and no traceback.
+    """
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
         return int(args.func(args))
     except ValueError as exc:
         print(f"lmprefetch: {_one_line(str(exc))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: whatever was starting has cleaned up already
+        signum = exc.signum if isinstance(exc, _Signalled) else signal.SIGINT
+        what = "terminated" if signum == signal.SIGTERM else "interrupted"
+        print(f"lmprefetch: {what}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":  # pragma: no cover

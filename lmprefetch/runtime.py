@@ -164,7 +164,14 @@ class WorkerRuntime:
                 self._metrics_server = start_metrics_server(self, metrics_port, metrics_host)
                 self.metrics = self._metrics_server.metrics
                 self.metrics_port = self._metrics_server.port
-        except BaseException:
+        except BaseException as exc:
+            if self._task is None and self._portal_cm is not None:
+                # Start-up failed or was interrupted (KeyboardInterrupt in this thread) before
+                # the engine was up.  Leave the portal with the exception, which cancels the
+                # half-started task: a plain exit (as close() does) waits for the task, and
+                # this one, once up, would serve until a stop that nobody can send.
+                portal_cm, self._portal_cm, self._portal = self._portal_cm, None, None
+                portal_cm.__exit__(type(exc), exc, exc.__traceback__)
             self.close()
             raise
         return self

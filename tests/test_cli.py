@@ -1,12 +1,14 @@
-"""The `lmprefetch` command: worker, bench (small), bench-engine, config errors."""
+"""The `lmprefetch` command: worker, bench (small), bench-engine, config errors, signals."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -15,9 +17,19 @@ import pytest
 from lmprefetch import LookupClient, PrefetchConfig
 
 CLI = [sys.executable, "-m", "lmprefetch"]
+TIMEOUT_S = 60
 
 
-def test_worker_serves_lookups_and_stops_on_sigterm(tmp_path: Path) -> None:
+def worker_env(**variables: str) -> dict[str, str]:
+    """This process's environment without its ``LMPREFETCH_*`` variables (a worker refuses
+    those it does not know, such as the suite's own ``LMPREFETCH_FUZZ_SCALE``), plus
+    ``variables``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPREFETCH_")}
+    return {**env, **variables}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_worker_serves_lookups_and_stops_on_a_signal(tmp_path: Path, signum: int) -> None:
     cfg_file = tmp_path / "w.toml"
     cfg_file.write_text(
         "chunk_size = 4\nchunk_bytes = 64\ncpu_bytes = 4096\nlookup_timeout_s = 10\n"
@@ -39,6 +51,7 @@ def test_worker_serves_lookups_and_stops_on_sigterm(tmp_path: Path) -> None:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env=worker_env(),
     )
     try:
         assert proc.stdout is not None
@@ -48,7 +61,7 @@ def test_worker_serves_lookups_and_stops_on_sigterm(tmp_path: Path) -> None:
         with LookupClient(config, [req], resp) as client:
             client.lookup("a", list(range(8)))
             assert client.wait("a", 10) == 0  # an empty worker: a miss, answered
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)  # after start-up, either is the ordinary way to stop: 0
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
@@ -210,3 +223,88 @@ def test_every_error_is_one_line_whatever_was_typed(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1, err
     assert err.startswith("lmprefetch: 'chunk\\nsize': unknown PrefetchConfig field")
+
+
+# -- a signal during start-up ----------------------------------------------------------------
+# Each test sends the signal at a moment the worker provably is inside its start-up (it holds a
+# connection to a Redis that never answers, or it has opened a config file nobody writes yet),
+# so none depends on timing.  A worker that ignored the signal would go on starting for as long
+# as the Redis deadline (minutes); one that printed a traceback fails the stderr check.
+def _start_worker(*args: str) -> subprocess.Popen[str]:
+    tag = uuid.uuid4().hex[:8]
+    return subprocess.Popen(
+        [*CLI, "worker", "--request-endpoint", f"ipc://@lmp-cli-{tag}-w",
+         "--response-endpoint", f"ipc://@lmp-cli-{tag}-s", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=worker_env(),
+    )  # fmt: skip
+
+
+def _assert_stopped_cleanly(proc: subprocess.Popen[str], status: int, line: str) -> None:
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == status, err
+    assert "Traceback" not in err
+    assert err.splitlines() == [line], err
+    assert out == ""  # it never said it was serving
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "line"),
+    [(signal.SIGINT, 130, "lmprefetch: interrupted"),
+     (signal.SIGTERM, 143, "lmprefetch: terminated")],
+    ids=["SIGINT", "SIGTERM"],
+)  # fmt: skip
+def test_a_signal_while_the_engine_opens_cancels_the_start_up(
+    tmp_path: Path, signum: int, status: int, line: str
+) -> None:
+    silent_redis = socket.create_server(("127.0.0.1", 0))
+    silent_redis.settimeout(TIMEOUT_S)
+    port = silent_redis.getsockname()[1]
+    cfg = tmp_path / "w.toml"
+    cfg.write_text(
+        f'redis_url = "redis://127.0.0.1:{port}"\nredis_timeout_s = 300\n'
+        "cpu_bytes = 1048576\nchunk_bytes = 4096\narena_prefault_bytes = 0\n"
+    )
+    proc = _start_worker("--config", str(cfg))
+    try:
+        conn, _ = silent_redis.accept()  # the engine is opening its Redis tier: start-up
+        try:
+            proc.send_signal(signum)
+            # Promptly: the start-up would otherwise wait up to redis_timeout_s for the PING.
+            _assert_stopped_cleanly(proc, status, line)
+        finally:
+            conn.close()
+    finally:
+        silent_redis.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_ctrl_c_while_the_config_file_is_read_exits_130_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "w.toml"
+    os.mkfifo(fifo)
+    proc = _start_worker("--config", str(fifo))
+    writer: list[int] = []
+    # Opening a FIFO for writing returns when the reader has opened it: the worker is then
+    # reading its config file, which is never written.
+    opener = threading.Thread(target=lambda: writer.append(os.open(fifo, os.O_WRONLY)))
+    opener.daemon = True
+    opener.start()
+    try:
+        opener.join(TIMEOUT_S)
+        assert writer, "the worker never opened its config file"
+        proc.send_signal(signal.SIGINT)
+        _assert_stopped_cleanly(proc, 130, "lmprefetch: interrupted")
+    finally:
+        for fd in writer:
+            os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if not writer:  # unblock the opener: open the FIFO's read end ourselves
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import pytest
 
 from lmprefetch import PrefetchConfig
+from lmprefetch.config import FieldSpec, describe_fields
 
 
 def test_defaults_are_a_working_cpu_only_setup() -> None:
@@ -192,3 +196,198 @@ def test_names_that_are_not_printable_are_quoted_so_a_message_is_one_line(
     with pytest.raises(ValueError, match=r"break\.toml': config file not found") as caught:
         PrefetchConfig.from_file(p)
     assert "\n" not in str(caught.value)
+
+
+# -- every field's rules are its declaration -------------------------------------------------
+def _out_of_bounds(spec: FieldSpec) -> list[float]:
+    """Values just past each declared bound of a numeric field."""
+    step = 1 if spec.type is int else 1e-9
+    values: list[float] = []
+    if spec.ge is not None:
+        values.append(spec.ge - step)
+    if spec.gt is not None:
+        values.append(spec.gt)
+    if spec.le is not None:
+        values.append(spec.le + step if spec.type is int else spec.le * (1 + 1e-9))
+    if spec.lt is not None:
+        values.append(spec.lt)
+    return values
+
+
+NUMERIC = [s for s in describe_fields() if s.type in (int, float)]
+
+
+def test_every_field_is_declared_with_a_meaning_and_every_number_with_bounds_and_unit() -> None:
+    specs = describe_fields()
+    assert [s.name for s in specs] == list(PrefetchConfig.__struct_fields__)
+    for spec in specs:
+        assert len(spec.description) > 15, spec.name
+        assert spec.default == getattr(PrefetchConfig(), spec.name)
+        assert spec.env_var == "LMPREFETCH_" + spec.name.upper()
+        if spec.type in (int, float):
+            assert spec.ge is not None or spec.gt is not None, spec.name
+            assert spec.le is not None or spec.lt is not None, spec.name
+            assert spec.unit, spec.name
+    assert {s.name for s in specs if s.optional} == {"disk_path", "redis_url"}
+
+
+@pytest.mark.parametrize("spec", NUMERIC, ids=lambda s: s.name)
+def test_every_declared_bound_is_enforced_on_every_path(spec: FieldSpec) -> None:
+    """Derived, not listed: a new numeric field is covered here the day it is declared."""
+    bad_values = _out_of_bounds(spec)
+    assert bad_values
+    for value in bad_values:
+        expected = rf"^{spec.name}: must be {re.escape(spec.bounds_text())}, got "
+        with pytest.raises(ValueError, match=expected):
+            PrefetchConfig(**{spec.name: value})
+        with pytest.raises(ValueError, match=expected):
+            PrefetchConfig.from_dict({spec.name: str(value)})
+        with pytest.raises(ValueError, match=expected + rf".* \(from {spec.env_var}\)$"):
+            PrefetchConfig.from_env({spec.env_var: str(value)})
+
+
+MEANING = "What this field means, in a sentence."
+
+
+class NoMeta(msgspec.Struct, kw_only=True):
+    n_bytes: int = 1
+
+
+class NoUpperBound(msgspec.Struct, kw_only=True):
+    n_bytes: Annotated[int, msgspec.Meta(ge=0, description=MEANING)] = 1
+
+
+class NoLowerBound(msgspec.Struct, kw_only=True):
+    wait_s: Annotated[float, msgspec.Meta(le=9, description=MEANING)] = 1.0
+
+
+class NoDescription(msgspec.Struct, kw_only=True):
+    wait_s: Annotated[float, msgspec.Meta(gt=0, lt=9)] = 1.0
+
+
+class NoUnit(msgspec.Struct, kw_only=True):
+    n: Annotated[int, msgspec.Meta(ge=0, le=9, description=MEANING)] = 1
+
+
+class MisspeltExtra(msgspec.Struct, kw_only=True):
+    n: Annotated[int, msgspec.Meta(ge=0, le=9, description=MEANING, extra={"units": "x"})] = 1
+
+
+class NotAScalar(msgspec.Struct, kw_only=True):
+    names: Annotated[list[str], msgspec.Meta(description=MEANING)] = []
+
+
+class NoDefault(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(description=MEANING)]
+
+
+@pytest.mark.parametrize(
+    ("cls", "problem"),
+    [
+        (NoMeta, r"^n_bytes: no description"),
+        (NoUpperBound, r"^n_bytes: a number needs an upper bound"),
+        (NoLowerBound, r"^wait_s: a number needs a lower bound"),
+        (NoDescription, r"^wait_s: no description"),
+        (NoUnit, r"^n: a number needs a unit"),
+        (MisspeltExtra, r"^n: unknown Meta\(extra=...\) keys \['units'\]"),
+        (NotAScalar, r"^names: a field is an int, float, bool or str"),
+        (NoDefault, r"^name: every field needs a default"),
+    ],
+    ids=lambda x: x.__name__ if isinstance(x, type) else "",
+)
+def test_a_declaration_the_checks_cannot_be_derived_from_is_refused(
+    cls: type[msgspec.Struct], problem: str
+) -> None:
+    """What keeps "every number has bounds and a unit, every field a meaning" true: the
+    function that reads PrefetchConfig's declarations at import refuses these."""
+    with pytest.raises(TypeError, match=problem):
+        describe_fields(cls)
+
+
+def test_a_well_declared_struct_is_described_as_declared() -> None:
+    class C(msgspec.Struct, kw_only=True):
+        #: (a comment is not a description)
+        queue: Annotated[
+            int, msgspec.Meta(ge=1, le=64, description="Items waiting.", extra={"unit": "items"})
+        ] = 8
+        where: Annotated[
+            str | None, msgspec.Meta(description="A directory.", extra={"path": True})
+        ] = None
+
+    queue, where = describe_fields(C)
+    assert (queue.type, queue.ge, queue.le, queue.unit) == (int, 1, 64, "items")
+    assert queue.bounds_text() == "at least 1 and at most 64 items"
+    assert (where.type_name, where.path, where.default) == ("str | None", True, None)
+
+
+# -- where a value was set, and what was meant ---------------------------------------------------
+def test_variables_override_the_file_and_the_whole_is_checked_once(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    # Alone, this file is invalid: the default arena (1 GiB) cannot hold two 1-GiB chunks.
+    p.write_text(f"chunk_bytes = {1 << 30}\nchunk_size = 64\n")
+    with pytest.raises(ValueError, match="^cpu_bytes: must hold at least two chunks"):
+        PrefetchConfig.from_file(p)
+    env = {"LMPREFETCH_CPU_BYTES": str(4 << 30), "LMPREFETCH_CHUNK_SIZE": "16"}
+    c = PrefetchConfig.from_env(env, config_file=p)
+    assert (c.chunk_bytes, c.cpu_bytes, c.chunk_size) == (1 << 30, 4 << 30, 16)
+    # config_file= (lmprefetch worker --config) wins over LMPREFETCH_CONFIG.
+    env["LMPREFETCH_CONFIG"] = str(tmp_path / "missing.toml")
+    assert PrefetchConfig.from_env(env, config_file=p) == c
+    with pytest.raises(ValueError, match="missing.toml: config file not found"):
+        PrefetchConfig.from_env(env)
+
+
+def test_a_bad_value_says_which_variable_or_file_set_it(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("chunk_size = 0\n")
+    with pytest.raises(ValueError, match=rf"^chunk_size: must be .*, got 0 \(in {p}\)$"):
+        PrefetchConfig.from_file(p)
+    p.write_text("chunk_size = 0\nclaim_ttl_s = 'soon'\n")
+    env = {"LMPREFETCH_CHUNK_SIZE": "x"}
+    with pytest.raises(
+        ValueError, match=r"^chunk_size: expected int, got str 'x' \(from LMPREFETCH_CHUNK_SIZE\)$"
+    ):
+        PrefetchConfig.from_env(env, config_file=p)
+    # The variable fixes chunk_size; the file's claim_ttl_s is still wrong, and named as such.
+    env = {"LMPREFETCH_CHUNK_SIZE": "8"}
+    with pytest.raises(ValueError, match=rf"^claim_ttl_s: expected float, .* \(in {p}\)$"):
+        PrefetchConfig.from_env(env, config_file=p)
+    # Python, a dict: nothing to point at.
+    with pytest.raises(ValueError, match=r"^chunk_size: must be .*, got 0$"):
+        PrefetchConfig.from_dict({"chunk_size": 0})
+
+
+@pytest.mark.parametrize(
+    ("name", "suggestion"),
+    [("chunk_sise", "chunk_size"), ("CHUNK_SIZE", "chunk_size"), ("disk_byte", "disk_bytes"),
+     ("redis_timeout", "redis_timeout_s"), ("claim_ttl", "claim_ttl_s")],
+)  # fmt: skip
+def test_an_unknown_name_is_answered_with_the_nearest_field_in_a_short_message(
+    name: str, suggestion: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        PrefetchConfig.from_dict({name: 1})
+    assert str(caught.value) == (
+        f"{name}: unknown PrefetchConfig field; did you mean {suggestion!r}?"
+    )
+    var = "LMPREFETCH_" + name.upper()
+    if name.lower() != suggestion:  # (LMPREFETCH_CHUNK_SIZE is the right name)
+        with pytest.raises(ValueError) as caught:
+            PrefetchConfig.from_env({var: "1"})
+        assert str(caught.value) == (
+            f"{var}: unknown variable: no PrefetchConfig field is called {name.lower()!r}; "
+            f"did you mean LMPREFETCH_{suggestion.upper()}?"
+        )
+    p = tmp_path / "c.toml"
+    p.write_text(f"{name} = 1\n")
+    with pytest.raises(ValueError, match=rf"did you mean {suggestion!r}\? \(in {p}\)$"):
+        PrefetchConfig.from_file(p)
+
+
+def test_an_unknown_name_far_from_every_field_gets_no_guess_and_no_list() -> None:
+    with pytest.raises(ValueError) as caught:
+        PrefetchConfig.from_dict({"colour": "blue"})
+    assert str(caught.value) == "colour: unknown PrefetchConfig field"
+    with pytest.raises(ValueError) as caught:
+        PrefetchConfig.from_env({"LMPREFETCH_COLOUR": "blue"})
+    assert str(caught.value).endswith("no PrefetchConfig field is called 'colour'")

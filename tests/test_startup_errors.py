@@ -45,13 +45,16 @@ def worker_args(*extra: str) -> list[str]:
 
 
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``lmprefetch args`` with ``env`` for its ``LMPREFETCH_*`` variables (this process's own,
+    such as the suite's ``LMPREFETCH_FUZZ_SCALE``, are left out: a worker refuses them)."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("LMPREFETCH_")}
     return subprocess.run(
         [*CLI, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         check=False,
-        env={**os.environ, **(env or {})},
+        env={**inherited, **(env or {})},
     )
 
 
@@ -129,6 +132,24 @@ def test_metrics_port_in_use(busy_tcp_port: int) -> None:
     assert_one_line_exit_2(out, "--metrics-port", str(busy_tcp_port), "in use")
 
 
+def test_metrics_host_that_does_not_resolve() -> None:
+    # .invalid never resolves (RFC 6761); it was reported as a problem of --metrics-port.
+    out = run(worker_args("--metrics-port", "0", "--metrics-host", "lmprefetch.invalid"))
+    assert_one_line_exit_2(out, "--metrics-host", "lmprefetch.invalid", "cannot resolve")
+
+
+def test_metrics_host_that_is_not_an_address_of_this_machine() -> None:
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is assigned to no machine; the bind fails, nothing is sent.
+    out = run(worker_args("--metrics-port", "0", "--metrics-host", "192.0.2.1"))
+    assert_one_line_exit_2(out, "--metrics-host", "192.0.2.1", "address of this machine")
+    assert "--metrics-port" not in out.stderr
+
+
+def test_metrics_host_without_metrics_port_is_not_ignored() -> None:
+    out = run(worker_args("--metrics-host", "0.0.0.0"))
+    assert_one_line_exit_2(out, "--metrics-host", "--metrics-port")
+
+
 def test_request_endpoint_already_bound() -> None:
     endpoint = ipc()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -201,9 +222,41 @@ def test_sizes_too_large_name_the_field(field: str, value: str, toml: Callable[[
     assert_one_line_exit_2(run(worker_args("--config", path)), field)
 
 
-def test_unknown_environment_variable_is_rejected() -> None:
-    out = run(worker_args(), env={"LMPREFETCH_CHUNK_SIZ": "16"})
-    assert_one_line_exit_2(out, "LMPREFETCH_CHUNK_SIZ")
+@pytest.mark.parametrize("with_config", [False, True], ids=["environment", "--config"])
+def test_unknown_environment_variable_is_rejected(
+    with_config: bool, toml: Callable[[str], str]
+) -> None:
+    """With --config too: a misspelt variable was silently ignored there."""
+    args = worker_args("--config", toml("chunk_size = 4\n")) if with_config else worker_args()
+    out = run(args, env={"LMPREFETCH_CHUNK_SIZ": "16"})
+    assert_one_line_exit_2(out, "LMPREFETCH_CHUNK_SIZ", "did you mean LMPREFETCH_CHUNK_SIZE?")
+
+
+def test_variables_override_the_config_file(toml: Callable[[str], str]) -> None:
+    path = toml("kv_events = true\nchunk_size = 4\n")
+    out = run(
+        worker_args("--config", path, "--events-endpoint", "tcp://127.0.0.1:0"),
+        env={"LMPREFETCH_KV_EVENTS": "false"},
+    )
+    assert_one_line_exit_2(out, "--events-endpoint", "kv_events = false")
+
+
+@pytest.mark.parametrize("with_config", [False, True], ids=["environment", "--config"])
+def test_a_bad_variable_names_the_field_and_the_variable(
+    with_config: bool, toml: Callable[[str], str]
+) -> None:
+    args = worker_args("--config", toml("chunk_size = 4\n")) if with_config else worker_args()
+    out = run(args, env={"LMPREFETCH_CHUNK_SIZE": "big"})
+    assert_one_line_exit_2(out, "chunk_size: expected int", "(from LMPREFETCH_CHUNK_SIZE)")
+    out = run(args, env={"LMPREFETCH_CLAIM_TTL_S": "-1"})
+    assert_one_line_exit_2(out, "claim_ttl_s: must be", "(from LMPREFETCH_CLAIM_TTL_S)")
+
+
+def test_an_unknown_key_in_the_file_gets_a_suggestion(toml: Callable[[str], str]) -> None:
+    path = toml("chunk_sise = 4\n")
+    out = run(worker_args("--config", path))
+    expected = "chunk_sise: unknown PrefetchConfig field; did you mean 'chunk_size'?"
+    assert_one_line_exit_2(out, f"{expected} (in {path})")
 
 
 @pytest.mark.parametrize(
