@@ -502,7 +502,9 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def replace(self, **changes: Any) -> PrefetchConfig:
         """A copy with some fields changed (validated)."""
-        return msgspec.structs.replace(self, **changes)
+        changed = msgspec.structs.replace(self, **changes)
+        changed.__post_init__()  # msgspec 0.18.0's replace() does not run it
+        return changed
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
