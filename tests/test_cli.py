@@ -308,3 +308,18 @@ def test_ctrl_c_while_the_config_file_is_read_exits_130_without_a_traceback(
             proc.communicate()
         if not writer:  # unblock the opener: open the FIFO's read end ourselves
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+
+
+def test_the_benchmarks_child_processes_end_quietly_on_ctrl_c() -> None:
+    """Ctrl-C reaches the whole process group: the benchmark's worker and echo processes
+    printed a traceback each while the command itself said "interrupted" once."""
+    from lmprefetch.bench import processes
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as caught:
+        processes._quiet_on_ctrl_c(interrupted)()
+    assert caught.value.code == 130
+    for main in (processes.worker_main, processes.echo_main, processes.trio_echo_main):
+        assert main.__code__ is processes._quiet_on_ctrl_c(interrupted).__code__, main

@@ -3,9 +3,12 @@ transport's physical limit."""
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ParamSpec
 
 import zmq
 
@@ -15,7 +18,29 @@ from .workload import BenchOptions, Workload, make_workload, payload_block
 
 __all__ = ["echo_main", "trio_echo_main", "worker_main"]
 
+_P = ParamSpec("_P")
+
+
+def _quiet_on_ctrl_c(main: Callable[_P, None]) -> Callable[_P, None]:
+    """``main``, ending with status 130 and no traceback on Ctrl-C.
+
+    Ctrl-C reaches every process of the terminal's process group, so these children get it as
+    well as the ``lmprefetch`` command that started them, which says "interrupted" once for all
+    and stops them.  (The child's own ``finally`` blocks still run: its runtime closes.)
+    """
+
+    @functools.wraps(main)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            main(*args, **kwargs)
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    return run
+
+
 # -- worker processes -------------------------------------------------------------------
+@_quiet_on_ctrl_c
 def worker_main(
     conn: Connection,
     config_dict: dict[str, Any],
@@ -114,6 +139,7 @@ def _measure_cancel(runtime: Any, n: int) -> list[float]:
     return result
 
 
+@_quiet_on_ctrl_c
 def echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
     """Echo every message from ``pull_endpoint`` (bound) to ``push_endpoint`` until
     ``b"stop"``; ``ready`` (a multiprocessing event) is set once both sockets are set up."""
@@ -136,6 +162,7 @@ def echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None
         ctx.term()
 
 
+@_quiet_on_ctrl_c
 def trio_echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
     """The same echo on lmprefetch's Trio-native sockets: the floor for any Trio worker."""
     import trio
