@@ -315,7 +315,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
         if not use_peer:
             return trio.run(_run, chunks, chunk_bytes, repeats, tmp, None)
-        with LMCachePeer(chunks, chunk_bytes) as peer:
+        with LMCachePeer(chunks, chunk_bytes, arena_bytes(chunks, chunk_bytes)) as peer:
             return trio.run(_run, chunks, chunk_bytes, repeats, tmp, peer)
 
 
