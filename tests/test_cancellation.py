@@ -48,9 +48,9 @@ from lmprefetch.tiers.redis import RedisTier, decode_value, redis_key
 
 from .checkpoints import Steps, Target, named
 from .fakes import FakeTier
+from .helpers import CHUNK, assert_conserved, layer_parts, offsets
 from .redis_servers import HAVE_REDIS, RedisServer, raw_client
 from .redis_servers import redis_server_fixture as redis_server_fixture  # fixture "redis_server"
-from .test_engine import CHUNK, assert_conserved, layer_parts, offsets
 
 LIMIT_S = 60.0
 CHUNK_BYTES = 4096

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,61 +18,17 @@ from lmprefetch.prefetch import LookupState
 from lmprefetch.tiers.disk import DiskTier
 
 from .fakes import FakeTier
-from .test_memory import _resident_bytes
-
-CHUNK = 4  # tokens per chunk in small_config
-
-
-def tokens(n_chunks: int, salt: int = 0) -> list[int]:
-    return [salt * 100_000 + i for i in range(n_chunks * CHUNK)]
-
-
-def payloads(n_chunks: int, salt: int = 0, size: int = 48) -> list[bytes]:
-    return [bytes([(salt * 31 + i) % 251]) * size for i in range(n_chunks)]
-
-
-def offsets(n: int) -> list[int]:
-    return [CHUNK] * n
-
-
-def layer_parts(data: list[bytes], kpc: int) -> list[bytes]:
-    """Each chunk's payload cut into its ``kpc`` per-layer parts, in key order."""
-    out = []
-    for payload in data:
-        part = len(payload) // kpc
-        out.extend(payload[i * part : (i + 1) * part] for i in range(kpc))
-    return out
-
-
-def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
-    """The conservation invariant (nothing in flight or held, no pin, no limiter weight, no
-    arena byte outside the CPU tier), and, unless the test injected ``faults``, no failed
-    lookup and no tier error: a bug in lmprefetch must never pass as a miss."""
-    s = engine.stats()
-    assert s["inflight_lookups"] == 0
-    assert s["held_lookups"] == 0
-    assert s["pinned_chunks"] == 0
-    assert s["limiter_used"] == 0
-    assert s["arena_used_bytes"] == s["cpu_resident_bytes"]
-    for tier in engine.tiers:
-        assert tier.pinned_count() == 0, tier.name
-    if not faults:
-        assert s["lookups_failed"] == 0, "a lookup failed: see the logged traceback"
-        for name, tier_stats in s["tiers"].items():
-            assert tier_stats["errors"] == 0, f"tier {name} reported errors"
-
-
-@asynccontextmanager
-async def engine_with(config: PrefetchConfig, *extra: FakeTier) -> AsyncIterator[Engine]:
-    async with open_engine(config, extra_tiers=extra) as engine:
-        yield engine
-
-
-async def put_in(tier: FakeTier, engine: Engine, toks: list[int], data: list[bytes]) -> list[int]:
-    hashes = engine.hasher.hash(toks)
-    for key, payload in zip(engine.keys.keys(hashes), data):
-        tier.data[key] = payload
-    return hashes
+from .helpers import (
+    CHUNK,
+    assert_conserved,
+    engine_with,
+    layer_parts,
+    offsets,
+    payloads,
+    put_in,
+    resident_bytes,
+    tokens,
+)
 
 
 # -- the happy paths ---------------------------------------------------------------------
@@ -885,4 +840,4 @@ async def test_open_engine_prefaults_the_configured_part_of_the_arena(prefault_s
         arena_prefault_bytes=prefault_slots * slot,
     )
     async with open_engine(config) as engine:
-        assert _resident_bytes(engine.arena) == min(prefault_slots, 48) * slot
+        assert resident_bytes(engine.arena) == min(prefault_slots, 48) * slot

@@ -21,7 +21,7 @@ from lmprefetch.events import BlockRemoved, BlockStored, ChunkBlocks
 from lmprefetch.prefetch import LookupState, _check_machine_memory
 
 from .fakes import FakeTier
-from .test_engine import CHUNK, assert_conserved, engine_with, offsets, payloads, put_in, tokens
+from .helpers import CHUNK, assert_conserved, engine_with, offsets, payloads, put_in, tokens
 
 TTL_S = 5.0
 

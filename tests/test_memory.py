@@ -11,6 +11,8 @@ import pytest
 
 from lmprefetch.memory import Arena, DoubleReleaseError
 
+from .helpers import resident_bytes
+
 
 def test_allocate_write_view_release() -> None:
     arena = Arena(16, 2)
@@ -99,36 +101,20 @@ def test_release_from_many_threads() -> None:
     assert arena.free_slots == 64
 
 
-def _resident_bytes(arena: Arena) -> int:
-    """Bytes of the arena that are in memory now (``mincore``, page by page)."""
-    import ctypes
-    import ctypes.util
-    import mmap
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    pages = -(-arena.total_bytes // mmap.PAGESIZE)
-    vec = ctypes.create_string_buffer(pages)
-    view = arena._view
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    assert libc.mincore(address, arena.total_bytes, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping: Linux")
 def test_prefault_maps_the_first_slots_into_memory_now() -> None:
     slot = 64 * 1024
     arena = Arena(slot, 32)
     try:
-        assert _resident_bytes(arena) == 0  # anonymous memory: nothing mapped until used
+        assert resident_bytes(arena) == 0  # anonymous memory: nothing mapped until used
         # Whole slots, from the first: the ones allocate() hands out first.
         assert arena.prefault(10 * slot + 1) == 11 * slot
-        assert _resident_bytes(arena) == 11 * slot
+        assert resident_bytes(arena) == 11 * slot
         first = arena.allocate()
         assert first is not None and first.index == 0
         first.release()
         assert arena.prefault(1 << 40) == arena.total_bytes  # capped at the arena
-        assert _resident_bytes(arena) == arena.total_bytes
+        assert resident_bytes(arena) == arena.total_bytes
         assert arena.prefault(0) == 0
     finally:
         arena.close()
@@ -160,7 +146,7 @@ def test_prefault_asks_the_kernel_and_writes_nothing_where_it_can(
     arena = Arena(slot, 8)
     try:
         assert arena.prefault(arena.total_bytes) == arena.total_bytes
-        assert _resident_bytes(arena) == arena.total_bytes
+        assert resident_bytes(arena) == arena.total_bytes
     finally:
         arena.close()
 
@@ -281,7 +267,7 @@ def test_without_madvise_prefault_zeroes_only_an_unused_arena(
     arena = Arena(slot, 4)
     try:
         assert arena.prefault(arena.total_bytes) == arena.total_bytes
-        assert _resident_bytes(arena) == arena.total_bytes
+        assert resident_bytes(arena) == arena.total_bytes
         assert bytes(arena._view) == bytes(arena.total_bytes)
     finally:
         arena.close()
@@ -292,7 +278,7 @@ def test_without_madvise_prefault_zeroes_only_an_unused_arena(
         buf.write(b"in use")
         assert arena.prefault(arena.total_bytes) == arena.total_bytes
         assert bytes(buf.view()) == b"in use"
-        assert _resident_bytes(arena) == mmap.PAGESIZE  # only the page that was written
+        assert resident_bytes(arena) == mmap.PAGESIZE  # only the page that was written
         buf.release()
     finally:
         arena.close()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lmprefetch import PrefetchConfig, open_engine
 
 from .fakes import FakeTier
-from .test_engine import CHUNK, assert_conserved
+from .helpers import CHUNK, assert_conserved
 
 PROMPTS = 4  # distinct prompts (each up to 6 chunks, sharing prefixes)
 

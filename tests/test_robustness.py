@@ -45,8 +45,7 @@ from .fakes import FakeTier
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
-from .test_engine import CHUNK, assert_conserved, offsets, payloads, tokens
-from .test_server import Peer, served
+from .helpers import CHUNK, Peer, assert_conserved, offsets, payloads, served, tokens
 
 LIMIT_S = 10.0
 

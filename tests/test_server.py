@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,48 +22,11 @@ from lmprefetch.prefetch import LookupState
 from lmprefetch.protocol import (
     LookupCleanupMsg,
     LookupRequestMsg,
-    LookupResponseMsg,
-    decode_response,
     encode,
 )
-from lmprefetch.server import LookupServer
 
 from .fakes import FakeTier
-
-CHUNK = 4
-
-
-class Peer:
-    """The scheduler's end: a PUSH to the worker and a bound PULL for answers (blocking pyzmq,
-    used from Trio through short non-blocking polls in a worker thread)."""
-
-    def __init__(self, request_ep: str, response_ep: str) -> None:
-        self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.linger = 0
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.linger = 0
-        self.pull.bind(response_ep)
-        self.push.connect(request_ep)
-
-    def send(self, data: bytes) -> None:
-        self.push.send(data)
-
-    def request(self, lookup_id: str, hashes: list[int], **kw: int) -> None:
-        self.send(encode(LookupRequestMsg(lookup_id, hashes, [CHUNK] * len(hashes), **kw)))
-
-    async def answer(self, timeout_s: float = 5.0) -> LookupResponseMsg:
-        def recv() -> bytes:
-            if not self.pull.poll(int(timeout_s * 1000)):
-                raise TimeoutError("no answer")
-            return self.pull.recv()
-
-        return decode_response(await trio.to_thread.run_sync(recv))
-
-    def close(self) -> None:
-        self.push.close()
-        self.pull.close()
-        self.ctx.term()
+from .helpers import CHUNK, Peer, served
 
 
 async def poll_until(engine: Engine, predicate: Callable[[], bool]) -> None:
@@ -94,23 +56,6 @@ async def poll_until(engine: Engine, predicate: Callable[[], bool]) -> None:
             await event.wait()
         finally:
             changed.remove(event)
-
-
-@asynccontextmanager
-async def served(
-    config: PrefetchConfig, *extra: FakeTier, rank: int = 0, world_size: int = 1
-) -> AsyncIterator[tuple[Engine, LookupServer, Peer]]:
-    tag = uuid.uuid4().hex[:10]
-    req, resp = f"ipc://@lmp-test-{tag}-req", f"ipc://@lmp-test-{tag}-resp"
-    peer = Peer(req, resp)
-    try:
-        async with (
-            open_engine(config, rank=rank, world_size=world_size, extra_tiers=extra) as engine,
-            serve_lookups(engine, req, resp) as server,
-        ):
-            yield engine, server, peer
-    finally:
-        peer.close()
 
 
 @pytest.fixture

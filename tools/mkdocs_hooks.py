@@ -14,6 +14,11 @@ A field without a description, a number without bounds or unit (both already fai
 raises instead of writing a row that says nothing.
 ``tests/test_docs.py`` runs the same generator.
 
+A page with a Mermaid diagram gets a ``<script>`` for the copy of Mermaid in the site
+(:data:`MERMAID_JS`, :func:`on_post_page`): Material loads Mermaid from a CDN only when no
+``mermaid`` is defined, so the diagrams render from disk with no network, and the pages
+without a diagram do not load its 3.5 MB.
+
 This module imports nothing from MkDocs, so the tests can use it without the ``docs`` extra.
 """
 
@@ -30,6 +35,11 @@ if TYPE_CHECKING:
     from lmprefetch.config import FieldSpec
 
 CONFIG_MARKER = "<!-- lmprefetch: config-fields -->"
+#: Mermaid in the built site (``docs/javascripts/vendor/``; ``tools/vendor_js.py`` fetches it).
+MERMAID_JS = "javascripts/vendor/mermaid.min.js"
+#: What a rendered page holds where a Mermaid diagram is (pymdownx.superfences' fence).
+MERMAID_FENCE = '<pre class="mermaid">'
+
 CONNECTOR_MARKER = "<!-- lmprefetch: connector-options -->"
 
 _SECTION = re.compile(r"^\s*# -- (?P<name>.+?) -+\s*$")
@@ -228,3 +238,27 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     if markdown.count(marker) != 1:
         raise ValueError(f"{page.file.src_uri}: expected the marker {marker!r} once")
     return markdown.replace(marker, render())
+
+
+def relative_url(target: str, page_url: str) -> str:
+    """``target`` (a path from the site root) as a link from the page at ``page_url`` (a path
+    from the site root, such as ``api/engine.html``; the offline build has no directory URLs).
+    """
+    return "../" * page_url.count("/") + target
+
+
+def add_mermaid_script(html: str, page_url: str) -> str:
+    """``html`` with a ``<script>`` for :data:`MERMAID_JS` at the end of its ``<head>`` when it
+    has a Mermaid diagram, else unchanged.  In the head it has run before any of Material's
+    scripts, whenever those look for ``mermaid``."""
+    if MERMAID_FENCE not in html:
+        return html
+    before, head_end, after = html.partition("</head>")
+    if not head_end:
+        raise ValueError(f"{page_url}: a Mermaid diagram but no </head>")
+    script = f'<script src="{relative_url(MERMAID_JS, page_url)}"></script>\n'
+    return before + script + head_end + after
+
+
+def on_post_page(output: str, page: Any, **_: Any) -> str:
+    return add_mermaid_script(output, page.url)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import statistics
@@ -37,7 +38,8 @@ import xxhash
 
 from ..config import PrefetchConfig
 from ..prefetch import Engine, open_engine
-from .goals import Goal
+from .goals import Goal, Limit, load_text
+from .measure import load_avg
 
 __all__ = ["CASES", "LMCACHE_GOALS", "main", "run"]
 
@@ -137,6 +139,8 @@ async def _run(
         "x8_repeats": x8_repeats,
         "arena_prefault_bytes": min(config.arena_prefault_bytes, config.cpu_bytes),
         "cpu_bytes": config.cpu_bytes,
+        "cpus": os.cpu_count() or 0,
+        "load_avg_before": load_avg(),
     }
     from ..hashing import ChunkHasher
 
@@ -242,6 +246,7 @@ async def _run(
     for case, _ in CASES:
         out[f"{case}_us"] = _median_us(ours[case])
     out["cold_ratio"] = out["cold_first_disk_us"] / out["disk_hit_us"]
+    out["load_avg"] = load_avg()
     if peer is not None:
         out["lmcache"] = {
             "version": _lmcache_version(),
@@ -263,12 +268,31 @@ def _lmcache_version() -> str:
     return version("lmcache")
 
 
+#: The physical limit of each case (same run): its name, and its key in :func:`run`'s result.
+LIMITS = {
+    "cpu_hit": ("one trio checkpoint", "trio_checkpoint_us"),
+    "miss": ("one trio checkpoint", "trio_checkpoint_us"),
+    "disk_hit": ("raw read + xxh3", "raw_read_verified_16_us"),
+    "disk_x8": ("raw read + xxh3", "raw_read_verified_x8_us"),
+}
+
+
 def goals(r: dict[str, Any]) -> list[Goal]:
-    """The goals of a :func:`run` result (the LMCache ones only when LMCache was measured)."""
+    """The goals of a :func:`run` result (the LMCache ones only when LMCache was measured).
+
+    A ratio to LMCache has a limit: the case's physical limit (:data:`LIMITS`) ÷ LMCache's
+    time, what lmprefetch would reach if it cost nothing over that limit."""
+    machine = {
+        "load_avg": r.get("load_avg", math.nan),
+        "load_avg_before": r.get("load_avg_before", math.nan),
+        "cpus": r.get("cpus", 0),
+    }
     out: list[Goal] = []
     lmc = r.get("lmcache")
     if lmc:
         for case, name in CASES:
+            limit_name, limit_key = LIMITS[case]
+            theirs = lmc.get(f"{case}_us", math.nan)
             out.append(
                 Goal(
                     f"{case}_vs_lmcache",
@@ -277,6 +301,11 @@ def goals(r: dict[str, Any]) -> list[Goal]:
                     "<=",
                     LMCACHE_GOALS[case],
                     "×",
+                    limit=Limit(
+                        f"{limit_name} ÷ LMCache's time",
+                        r[limit_key] / theirs if theirs else math.nan,
+                    ),
+                    **machine,
                 )
             )
     out.append(
@@ -287,6 +316,7 @@ def goals(r: dict[str, Any]) -> list[Goal]:
             "<=",
             COLD_GOAL,
             "×",
+            **machine,
         )
     )
     return out
@@ -315,19 +345,14 @@ def run(
     with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
         if not use_peer:
             return trio.run(_run, chunks, chunk_bytes, repeats, tmp, None)
-        with LMCachePeer(chunks, chunk_bytes) as peer:
+        with LMCachePeer(chunks, chunk_bytes, arena_bytes(chunks, chunk_bytes)) as peer:
             return trio.run(_run, chunks, chunk_bytes, repeats, tmp, peer)
 
 
 def format_report(r: dict[str, Any]) -> str:
     mb = r["chunks"] * r["chunk_bytes"] / MiB
     lmc = r.get("lmcache")
-    limits = {
-        "cpu_hit": ("one trio checkpoint", r["trio_checkpoint_us"]),
-        "miss": ("one trio checkpoint", r["trio_checkpoint_us"]),
-        "disk_hit": ("raw read + xxh3", r["raw_read_verified_16_us"]),
-        "disk_x8": ("raw read + xxh3", r["raw_read_verified_x8_us"]),
-    }
+    limits = {case: (name, r[key]) for case, (name, key) in LIMITS.items()}
     head = (
         f"  {'case':<27}{'lmprefetch':>12}   {'limit (same run)':>27}{'ratio':>8}"
     )
@@ -367,8 +392,12 @@ def format_report(r: dict[str, Any]) -> str:
     )
     if not lmc:
         lines.append("  LMCache: not installed here, so not measured (no figure from another run)")
-    lines += ["", "  goals (this run):"]
-    lines += [g.line(52) for g in goals(r)]
+    machine = load_text(
+        r.get("load_avg", math.nan), r.get("cpus", 0), r.get("load_avg_before", math.nan)
+    )
+    lines += ["", f"  goals (this run; {machine}):"]
+    for g in goals(r):
+        lines += g.lines(52)
     lines.append("")
     if lmc:
         lines.append(

@@ -100,17 +100,20 @@ class LMCachePeer:
         chunks: chunks per prompt.
         chunk_bytes: bytes per chunk (a multiple of 1024: one chunk is a bf16
             ``[2, 1, 256, hidden]`` KV tensor).
+        cpu_bytes: the size of LMCache's CPU backend (the engine benchmark gives it the size
+            of lmprefetch's arena).
     """
 
     CASES = ("cpu_hit", "miss", "disk_hit", "disk_x8")
     #: ``chunk_bytes`` must be a multiple of this (bf16 K and V of 256 tokens).
     CHUNK_BYTES_MULTIPLE = 2 * CHUNK_TOKENS * 2
 
-    def __init__(self, chunks: int, chunk_bytes: int) -> None:
+    def __init__(self, chunks: int, chunk_bytes: int, cpu_bytes: int) -> None:
         if chunk_bytes % self.CHUNK_BYTES_MULTIPLE:
             raise ValueError(f"chunk_bytes must be a multiple of {self.CHUNK_BYTES_MULTIPLE}")
         self.chunks = chunks
         self.chunk_bytes = chunk_bytes
+        self.cpu_bytes = cpu_bytes
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._instance_id = f"lmprefetch-peer-bench-{os.getpid()}-{id(self)}"
         self._engine: Any = None
@@ -144,8 +147,6 @@ class LMCachePeer:
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.metadata import LMCacheMetadata
 
-        from .engine import arena_bytes
-
         chunks, chunk_bytes = self.chunks, self.chunk_bytes
         hidden = chunk_bytes // (2 * CHUNK_TOKENS * 2)
         shape = torch.Size([2, 1, CHUNK_TOKENS, hidden])
@@ -154,7 +155,7 @@ class LMCachePeer:
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=CHUNK_TOKENS,
             local_cpu=True,
-            max_local_cpu_size=arena_bytes(chunks, chunk_bytes) / GiB,
+            max_local_cpu_size=self.cpu_bytes / GiB,
             local_disk=f"file://{self._tmp.name}/",
             max_local_disk_size=64 * chunks * chunk_bytes / GiB,
             enable_async_loading=True,

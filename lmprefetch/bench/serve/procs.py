@@ -100,9 +100,6 @@ class ManagedProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(list(self.log)[-lines:])
 
-    def log_has(self, fragment: str) -> bool:
-        return any(fragment in line for line in self.log)
-
     def log_lines(self) -> list[str]:
         return list(self.log)
 

