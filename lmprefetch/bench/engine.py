@@ -22,7 +22,9 @@ of per-sample ratios, with their interquartile range.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import mmap
 import os
 import statistics
@@ -37,19 +39,26 @@ import xxhash
 
 from ..config import PrefetchConfig
 from ..prefetch import Engine, open_engine
+from ..tiers.disk import DiskTier
 from .goals import Goal
 
-__all__ = ["CASES", "LMCACHE_GOALS", "main", "run"]
+__all__ = ["CASES", "DISK_CASES", "LMCACHE_GOALS", "main", "run"]
 
 MiB = 1024 * 1024
 
-#: The cases, in the order they are measured and printed.
+#: The cases, in the order they are measured and printed.  The ``_hashed`` ones are the disk
+#: cases with every chunk's checksum computed on every read (``DiskTier.verify_once`` off);
+#: the others read a file verified once, unchanged since, without hashing it again.
 CASES = (
     ("cpu_hit", "CPU hit"),
     ("miss", "full miss"),
     ("disk_hit", "disk hit (page cache)"),
+    ("disk_hit_hashed", "… every byte hashed again"),
     ("disk_x8", "8 concurrent disk lookups"),
+    ("disk_x8_hashed", "… every byte hashed again"),
 )
+#: The cases of ``--disk-only``.
+DISK_CASES = tuple(c for c in CASES if c[0].startswith("disk"))
 #: lmprefetch ÷ LMCache (same run, per pair) must be at most this.
 LMCACHE_GOALS = {"cpu_hit": 0.3, "miss": 0.3, "disk_hit": 0.6, "disk_x8": 0.6}
 #: A fresh engine's first disk lookup ÷ the steady-state disk lookup must be at most this.
@@ -115,8 +124,19 @@ async def _store_prompts(config: PrefetchConfig, prompts: list[list[int]], paylo
         await engine.flush()
 
 
+def _load_avg() -> float:
+    """The 1-minute load average (runnable and waiting tasks): printed beside each figure."""
+    return os.getloadavg()[0]
+
+
 async def _run(
-    chunks: int, chunk_bytes: int, repeats: int, tmp: str, peer: Any | None
+    chunks: int,
+    chunk_bytes: int,
+    repeats: int,
+    tmp: str,
+    peer: Any | None,
+    *,
+    disk_only: bool = False,
 ) -> dict[str, Any]:
     chunk_size = CHUNK_TOKENS
     config = PrefetchConfig(
@@ -130,6 +150,7 @@ async def _run(
     offs = [chunk_size] * chunks
     payload = os.urandom(chunk_bytes)
     x8_repeats = max(3, repeats // 5)
+    cases = DISK_CASES if disk_only else CASES
     out: dict[str, Any] = {
         "chunks": chunks,
         "chunk_bytes": chunk_bytes,
@@ -137,64 +158,93 @@ async def _run(
         "x8_repeats": x8_repeats,
         "arena_prefault_bytes": min(config.arena_prefault_bytes, config.cpu_bytes),
         "cpu_bytes": config.cpu_bytes,
+        "cases": [case for case, _ in cases],
+        "load_avg": {},
     }
     from ..hashing import ChunkHasher
+    from ..tiers.chunkfile import RACY_NS
 
     hasher = ChunkHasher(chunk_size, config.hash_algorithm)
     prompts = [hasher.hash(_prompt(i, chunks, chunk_size)) for i in range(9)]
     await _store_prompts(config, prompts, payload)
-    ours: dict[str, list[float]] = {case: [] for case, _ in CASES}
-    theirs: dict[str, list[float]] = {case: [] for case, _ in CASES}
+    written_at = time.monotonic()
+    ours: dict[str, list[float]] = {case: [] for case, _ in cases}
+    theirs: dict[str, list[float]] = {case: [] for case, _ in cases}
+    # CPU time of the whole process (every thread) during each sample: what a lookup costs,
+    # which the machine's load changes far less than the wall time.
+    ours_cpu: dict[str, list[float]] = {case: [] for case, _ in cases}
+    theirs_cpu: dict[str, list[float]] = {case: [] for case, _ in cases}
 
     async def peer_sample(case: str) -> None:
         if peer is not None:
-            theirs[case].append(await trio.to_thread.run_sync(peer.sample, case))
+            # LMCache reads without verifying, so both our disk cases pair with its one.
+            their_case = case.removesuffix("_hashed")
+            c0 = time.process_time()
+            theirs[case].append(await trio.to_thread.run_sync(peer.sample, their_case))
+            theirs_cpu[case].append(time.process_time() - c0)
 
     async def timed(fn: Callable[..., Awaitable[Any]], *args: Any) -> float:
         t0 = time.perf_counter()
         await fn(*args)
         return time.perf_counter() - t0
 
+    async def ours_sample(case: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        c0 = time.process_time()
+        ours[case].append(await timed(fn, *args))
+        ours_cpu[case].append(time.process_time() - c0)
+
     async def pair(case: str, i: int, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         # Alternate who goes first, so neither always runs right after the other.
         if i % 2:
             await peer_sample(case)
-        ours[case].append(await timed(fn, *args))
+        await ours_sample(case, fn, *args)
         if not i % 2:
             await peer_sample(case)
 
-    # Fresh engines on the disk tier written above: how long one takes to open (arena
-    # pre-faulting included), and its first disk lookup (the arena and the read threads never
-    # used) against the steady state.  A single first lookup is one sample, so three engines.
-    opens, colds = [], []
-    for k in range(COLD_ENGINES):
-        t0 = time.perf_counter()
-        async with open_engine(config) as engine:
-            opens.append(time.perf_counter() - t0)
-            colds.append(await timed(_lookup_and_release, engine, f"cold{k}", prompts[1], offs))
-    out["engine_open_ms"] = statistics.median(opens) * 1e3
-    out["cold_first_disk_us"] = _median_us(colds)
-    out["cold_first_disk_all_us"] = [c * 1e6 for c in colds]
+    def note_load(case: str, start: float) -> None:
+        out["load_avg"][case] = [start, _load_avg()]
+
+    if not disk_only:
+        # Fresh engines on the disk tier written above: how long one takes to open (arena
+        # pre-faulting included), and its first disk lookup (the arena and the read threads
+        # never used) against the steady state.  A single first lookup is one sample, so
+        # three engines.
+        opens, colds = [], []
+        for k in range(COLD_ENGINES):
+            t0 = time.perf_counter()
+            async with open_engine(config) as engine:
+                opens.append(time.perf_counter() - t0)
+                colds.append(
+                    await timed(_lookup_and_release, engine, f"cold{k}", prompts[1], offs)
+                )
+        out["engine_open_ms"] = statistics.median(opens) * 1e3
+        out["cold_first_disk_us"] = _median_us(colds)
+        out["cold_first_disk_all_us"] = [c * 1e6 for c in colds]
     async with open_engine(config) as engine:
-        # Prompt 0 goes to the CPU tier; 1..8 stay on disk only.
-        await engine.store_hashes(
-            prompts[0], [h.to_bytes(8, "big") + payload[8:] for h in prompts[0]]
-        )
         disk = next(t for t in engine.tiers if t.name == "disk")
+        assert isinstance(disk, DiskTier)
+        if not disk_only:
+            # Prompt 0 goes to the CPU tier; 1..8 stay on disk only.
+            await engine.store_hashes(
+                prompts[0], [h.to_bytes(8, "big") + payload[8:] for h in prompts[0]]
+            )
+            load0 = _load_avg()
+            for i in range(repeats):
+                await pair("cpu_hit", i, _lookup_and_release, engine, f"c{i}", prompts[0], offs)
+            note_load("cpu_hit", load0)
 
-        for i in range(repeats):
-            await pair("cpu_hit", i, _lookup_and_release, engine, f"c{i}", prompts[0], offs)
+            async def checkpoint_round() -> None:
+                await trio.lowlevel.checkpoint()
 
-        async def checkpoint_round() -> None:
-            await trio.lowlevel.checkpoint()
+            out["trio_checkpoint_us"] = _median_us(
+                [await timed(checkpoint_round) for _ in range(repeats)]
+            )
 
-        out["trio_checkpoint_us"] = _median_us(
-            [await timed(checkpoint_round) for _ in range(repeats)]
-        )
-
-        miss = hasher.hash(_prompt(99, chunks, chunk_size))
-        for i in range(repeats):
-            await pair("miss", i, _lookup_and_release, engine, f"m{i}", miss, offs)
+            miss = hasher.hash(_prompt(99, chunks, chunk_size))
+            load0 = _load_avg()
+            for i in range(repeats):
+                await pair("miss", i, _lookup_and_release, engine, f"m{i}", miss, offs)
+            note_load("miss", load0)
 
         files = {
             i: [Path(tmp) / f"{k.to_string()}.kv" for k in engine.keys.keys(prompts[i])]
@@ -207,14 +257,36 @@ async def _run(
         try:
             for i in range(1, 9):  # warm the page cache
                 _raw_read_s(files[i], slots)
+            # Steady state: every file older than the racy window (a file written a moment
+            # ago is hashed on every read, see chunkfile.may_trust) and read once, verified.
+            await trio.sleep(max(0.0, written_at + RACY_NS / 1e9 - time.monotonic()))
+            for i in range(1, 9):
+                await _lookup_and_release(engine, f"warm{i}", prompts[i], offs)
+            verified0, trusted0 = disk.verified_reads, disk.trusted_reads
+
+            async def hashed(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+                disk.verify_once = False
+                try:
+                    await fn(*args)
+                finally:
+                    disk.verify_once = True
+
             raw, verified = [], []
+            load0 = _load_avg()
             for i in range(repeats):
                 await pair("disk_hit", i, _lookup_and_release, engine, f"d{i}", prompts[1], offs)
+                await pair(
+                    "disk_hit_hashed", i, hashed, _lookup_and_release, engine, f"h{i}",
+                    prompts[1], offs,
+                )
                 raw.append(_raw_read_s(files[1], slots))
                 verified.append(_raw_read_s(files[1], slots, verify=True))
+            note_load("disk_hit", load0)
+            note_load("disk_hit_hashed", load0)
             out["raw_read_16_us"] = _median_us(raw)
             out["raw_read_verified_16_us"] = _median_us(verified)
             out["disk_hit_vs_verified"] = _ratio_stats(ours["disk_hit"], verified)
+            out["disk_hit_vs_raw"] = _ratio_stats(ours["disk_hit"], raw)
 
             async def eight(tag: str) -> None:
                 async with trio.open_nursery() as nursery:
@@ -224,29 +296,39 @@ async def _run(
                         )
 
             raw, verified = [], []
+            load0 = _load_avg()
             for i in range(x8_repeats):
                 await pair("disk_x8", i, eight, str(i))
+                await pair("disk_x8_hashed", i, hashed, eight, f"h{i}")
                 raw.append(sum(_raw_read_s(files[j], slots) for j in range(1, 9)))
                 verified.append(sum(_raw_read_s(files[j], slots, verify=True) for j in range(1, 9)))
+            note_load("disk_x8", load0)
+            note_load("disk_x8_hashed", load0)
             out["raw_read_x8_us"] = _median_us(raw)
             out["raw_read_verified_x8_us"] = _median_us(verified)
             out["disk_x8_vs_verified"] = _ratio_stats(ours["disk_x8"], verified)
+            out["disk_x8_vs_raw"] = _ratio_stats(ours["disk_x8"], raw)
         finally:
             for slot in slots:
                 slot.release()
             whole.release()
             aligned.close()
         out["disk_chunks_loaded"] = disk.stats.chunks_loaded
+        out["disk_reads_verified"] = disk.verified_reads - verified0
+        out["disk_reads_trusted"] = disk.trusted_reads - trusted0
         await engine.wait_quiet()
         out["idle_after"] = engine.is_idle()
-    for case, _ in CASES:
+    for case, _ in cases:
         out[f"{case}_us"] = _median_us(ours[case])
-    out["cold_ratio"] = out["cold_first_disk_us"] / out["disk_hit_us"]
+        out[f"{case}_cpu_us"] = _median_us(ours_cpu[case])
+    if not disk_only:
+        out["cold_ratio"] = out["cold_first_disk_us"] / out["disk_hit_us"]
     if peer is not None:
         out["lmcache"] = {
             "version": _lmcache_version(),
-            **{f"{case}_us": _median_us(theirs[case]) for case, _ in CASES},
-            "ratios": {case: _ratio_stats(ours[case], theirs[case]) for case, _ in CASES},
+            **{f"{case}_us": _median_us(theirs[case]) for case, _ in cases},
+            **{f"{case}_cpu_us": _median_us(theirs_cpu[case]) for case, _ in cases},
+            "ratios": {case: _ratio_stats(ours[case], theirs[case]) for case, _ in cases},
             "answers_ok": peer.answers_ok,
             "hit_tokens": {c: sorted(v) for c, v in peer.hit_tokens.items()},
             "disk_metadata_pins_after": peer.disk_metadata_pins,
@@ -263,32 +345,39 @@ def _lmcache_version() -> str:
     return version("lmcache")
 
 
+def _cases(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The cases ``r`` has figures for, in order."""
+    return [(case, name) for case, name in CASES if f"{case}_us" in r]
+
+
 def goals(r: dict[str, Any]) -> list[Goal]:
     """The goals of a :func:`run` result (the LMCache ones only when LMCache was measured)."""
     out: list[Goal] = []
     lmc = r.get("lmcache")
     if lmc:
-        for case, name in CASES:
-            out.append(
-                Goal(
-                    f"{case}_vs_lmcache",
-                    f"{name}, lmprefetch ÷ LMCache",
-                    lmc["ratios"][case]["median"],
-                    "<=",
-                    LMCACHE_GOALS[case],
-                    "×",
+        for case, name in _cases(r):
+            if case in LMCACHE_GOALS:
+                out.append(
+                    Goal(
+                        f"{case}_vs_lmcache",
+                        f"{name}, lmprefetch ÷ LMCache",
+                        lmc["ratios"][case]["median"],
+                        "<=",
+                        LMCACHE_GOALS[case],
+                        "×",
+                    )
                 )
+    if "cold_ratio" in r:
+        out.append(
+            Goal(
+                "cold_first_disk_vs_steady",
+                "a fresh engine's first disk lookup ÷ steady state",
+                r["cold_ratio"],
+                "<=",
+                COLD_GOAL,
+                "×",
             )
-    out.append(
-        Goal(
-            "cold_first_disk_vs_steady",
-            "a fresh engine's first disk lookup ÷ steady state",
-            r["cold_ratio"],
-            "<=",
-            COLD_GOAL,
-            "×",
         )
-    )
     return out
 
 
@@ -298,11 +387,21 @@ def run(
     repeats: int = 50,
     *,
     lmcache: str = "auto",
+    disk_only: bool = False,
+    peer: Any | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark.  ``lmcache``: ``auto`` (measure LMCache when importable), ``on``
-    (it must be; else ``ValueError``) or ``off``."""
+    (it must be; else ``ValueError``) or ``off``.  ``disk_only``: only the disk cases (no
+    fresh engines, CPU hits or misses).  ``peer``: an open :class:`LMCachePeer` to measure
+    (with the same ``chunks`` and ``chunk_bytes``) instead of opening one."""
     from .lmcache_peer import LMCachePeer, lmcache_available
 
+    if peer is not None:
+        with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
+            return trio.run(
+                functools.partial(_run, disk_only=disk_only),
+                chunks, chunk_bytes, repeats, tmp, peer,
+            )
     use_peer = lmcache != "off" and lmcache_available()
     if lmcache == "on" and not use_peer:
         raise ValueError("--lmcache on: lmcache is not importable (pip install lmcache==0.5.6)")
@@ -312,27 +411,31 @@ def run(
                 f"--chunk-bytes: LMCache needs a multiple of {LMCachePeer.CHUNK_BYTES_MULTIPLE}"
             )
         use_peer = False
+    run_ = functools.partial(_run, disk_only=disk_only)
     with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
         if not use_peer:
-            return trio.run(_run, chunks, chunk_bytes, repeats, tmp, None)
-        with LMCachePeer(chunks, chunk_bytes) as peer:
-            return trio.run(_run, chunks, chunk_bytes, repeats, tmp, peer)
+            return trio.run(run_, chunks, chunk_bytes, repeats, tmp, None)
+        with LMCachePeer(chunks, chunk_bytes) as opened_peer:
+            return trio.run(run_, chunks, chunk_bytes, repeats, tmp, opened_peer)
 
 
 def format_report(r: dict[str, Any]) -> str:
     mb = r["chunks"] * r["chunk_bytes"] / MiB
     lmc = r.get("lmcache")
+    checkpoint = r.get("trio_checkpoint_us", math.nan)
     limits = {
-        "cpu_hit": ("one trio checkpoint", r["trio_checkpoint_us"]),
-        "miss": ("one trio checkpoint", r["trio_checkpoint_us"]),
-        "disk_hit": ("raw read + xxh3", r["raw_read_verified_16_us"]),
-        "disk_x8": ("raw read + xxh3", r["raw_read_verified_x8_us"]),
+        "cpu_hit": ("one trio checkpoint", checkpoint),
+        "miss": ("one trio checkpoint", checkpoint),
+        # A file verified once is read without its hash: its limit is the plain read.
+        "disk_hit": ("raw read", r["raw_read_16_us"]),
+        "disk_hit_hashed": ("raw read + xxh3", r["raw_read_verified_16_us"]),
+        "disk_x8": ("raw read", r["raw_read_x8_us"]),
+        "disk_x8_hashed": ("raw read + xxh3", r["raw_read_verified_x8_us"]),
     }
-    head = (
-        f"  {'case':<27}{'lmprefetch':>12}   {'limit (same run)':>27}{'ratio':>8}"
-    )
+    head = f"  {'case':<27}{'lmprefetch':>12}   {'limit (same run)':>27}{'ratio':>8}"
     if lmc:
         head += f"   {'LMCache ' + lmc['version']:>14}{'lmp ÷ LMCache (IQR)':>27}"
+    head += "   load avg"
     lines = [
         f"lmprefetch bench-engine — {r['chunks']} chunks × {r['chunk_bytes'] / MiB:g} MiB "
         f"({mb:g} MiB) per lookup, lookup + prefetch + release, median of {r['repeats']} "
@@ -340,7 +443,7 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         head,
     ]
-    for case, name in CASES:
+    for case, name in _cases(r):
         ours = r[f"{case}_us"]
         limit_name, limit = limits[case]
         line = (
@@ -352,19 +455,34 @@ def format_report(r: dict[str, Any]) -> str:
                 f"   {lmc[f'{case}_us']:12.1f}µs"
                 f"   {q['median']:5.2f}× ({q['p25']:.2f}–{q['p75']:.2f})"
             )
+        load = r.get("load_avg", {}).get(case)
+        if load:
+            line += f"   {load[0]:.1f}→{load[1]:.1f}"
         lines.append(line)
-    lines.append(
-        f"  (raw read alone, unverified: {r['raw_read_16_us']:.0f} µs for one lookup's files, "
-        f"{r['raw_read_x8_us']:.0f} µs for eight)"
-    )
-    lines.append(
-        f"  fresh engine (median of {len(r.get('cold_first_disk_all_us', [0]))}): opened in "
-        f"{r['engine_open_ms']:.1f} ms (arena "
-        f"{r['cpu_bytes'] / MiB:g} MiB, {r['arena_prefault_bytes'] / MiB:g} MiB of it "
-        "pre-faulted), "
-        f"first disk lookup {r['cold_first_disk_us']:.0f} µs, steady state "
-        f"{r['disk_hit_us']:.0f} µs"
-    )
+    if "disk_reads_trusted" in r:
+        lines.append(
+            f"  (disk reads after the warm-up: {r['disk_reads_trusted']} unchanged since "
+            f"verified, read unhashed; {r['disk_reads_verified']} hashed)"
+        )
+    cpu = [(case, name) for case, name in _cases(r) if f"{case}_cpu_us" in r]
+    if cpu:
+        lines.append(
+            "  CPU time per sample (all threads; the load changes it less than the wall time): "
+            + "; ".join(
+                f"{name.removeprefix('… ')} {r[f'{case}_cpu_us']:.0f} µs"
+                + (f" (LMCache {lmc[f'{case}_cpu_us']:.0f} µs)" if lmc else "")
+                for case, name in cpu
+            )
+        )
+    if "cold_first_disk_us" in r:
+        lines.append(
+            f"  fresh engine (median of {len(r.get('cold_first_disk_all_us', [0]))}): opened in "
+            f"{r['engine_open_ms']:.1f} ms (arena "
+            f"{r['cpu_bytes'] / MiB:g} MiB, {r['arena_prefault_bytes'] / MiB:g} MiB of it "
+            "pre-faulted), "
+            f"first disk lookup {r['cold_first_disk_us']:.0f} µs, steady state "
+            f"{r['disk_hit_us']:.0f} µs"
+        )
     if not lmc:
         lines.append("  LMCache: not installed here, so not measured (no figure from another run)")
     lines += ["", "  goals (this run):"]
@@ -408,11 +526,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="measure LMCache 0.5.6 beside lmprefetch in this run: auto (when importable), "
         "on (required), off (default: auto)",
     )
+    p.add_argument(
+        "--disk-only",
+        action="store_true",
+        help="only the disk cases (no fresh engines, CPU hits or misses)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    r = run(args.chunks, args.chunk_bytes, args.repeats, lmcache=args.lmcache)
+    r = run(
+        args.chunks, args.chunk_bytes, args.repeats, lmcache=args.lmcache,
+        disk_only=args.disk_only,
+    )
     print(json.dumps(r, indent=2) if args.json else format_report(r))
     lmc = r.get("lmcache")
     ok = r["idle_after"] and (lmc is None or lmc["answers_ok"])

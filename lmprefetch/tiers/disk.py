@@ -11,6 +11,14 @@ renamed by hand is a miss, not wrong data); the checksum means a torn or bit-fli
 miss, never garbage handed to the model (LMCache's disk backend returns normally from a missing
 file, leaving the buffer unread, D17).
 
+Verified once.  The tier remembers, per key, the identity of the file (device, inode, size,
+mtime, ctime) that a read hashed and found good, and later reads of an unchanged file skip the
+hash (:mod:`lmprefetch.tiers.chunkfile` explains why a change always shows, and git's rule for
+files changed too recently to tell).  The checksum is the expensive part of a read that the
+page cache serves: hashing runs without the GIL, so it does not serialise concurrent reads, but
+it costs CPU time the reads could use.  What is remembered lives in memory: after a restart
+every file is hashed on its first read again.  ``verify_once = False`` hashes every read.
+
 Threads and the Trio thread.  Every file operation (``open``, ``read``, ``write``, ``stat``,
 ``scandir``, ``unlink``, ``replace``) runs in :func:`trio.to_thread.run_sync` under a limiter the
 tier owns: reads under ``CapacityLimiter(read_threads)`` shared by every load, writes, unlinks and
@@ -199,6 +207,9 @@ class DiskTier(BaseTier):
         self._trusted: dict[ChunkKey, FileIdentity] = {}
         #: The file system's clock minus this host's (measured when the tier opens).
         self.clock_offset_ns = 0
+        #: Whether a file verified once is read unhashed while it is unchanged; ``False``
+        #: hashes every read (the benchmarks compare the two).
+        self.verify_once = True
         # Write-behind (Trio thread only): one file at a time, in order.
         self._writes = WriteBehindQueue(write_queue, self.stats)
         self._writer_scope: trio.CancelScope | None = None
@@ -290,7 +301,7 @@ class DiskTier(BaseTier):
         if indexed == 0:
             await trio.lowlevel.checkpoint()
             return 0
-        trusted = self._trusted
+        trusted = self._trusted if self.verify_once else {}
         with contextlib.ExitStack() as slots:  # released once no thread can touch them
             run = _LoadRun([
                 (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
