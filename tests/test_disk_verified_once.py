@@ -359,3 +359,18 @@ def test_a_chunk_file_read_reports_its_identity(tmp_path: Path) -> None:
     # The header is checked on a trusted read too: another key is a miss.
     with pytest.raises(chunkfile.FileCorrupt, match="another key"):
         chunkfile.read_buffered(final, b"x", memoryview(slot), None, first.identity)
+
+
+async def test_verify_once_off_hashes_every_read(
+    tmp_path: Path, arena: Arena, spy: _HashSpy
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with opened(tmp_path) as tier:
+            await store(tier, arena, range(N))
+            aged(tier).verify_once = False
+            for reads in (1, 2, 3):
+                assert await load(tier, arena, keys()) == [payload(h) for h in range(N)]
+                assert (spy.hashed_reads, tier.trusted_reads) == (reads * N, 0)
+            tier.verify_once = True  # the files were verified all along: trusted at once
+            assert await load(tier, arena, keys()) == [payload(h) for h in range(N)]
+            assert (spy.hashed_reads, tier.trusted_reads) == (3 * N, N)
