@@ -5,7 +5,7 @@
 * ``lmprefetch bench-engine`` — the engine alone: CPU hit, disk hit, miss and concurrent disk
   lookups, beside the raw read time of the same files.
 * ``lmprefetch bench-disk`` — every disk figure that has a goal (against LMCache where it can
-  be imported), quiet and with CPU-bound processes beside it (see :mod:`lmprefetch.bench.disk`).
+  be imported), alone and with CPU-bound processes beside it (see :mod:`lmprefetch.bench.disk`).
 * ``lmprefetch bench-serve`` — time to first token on vLLM's OpenAI server (CPU build) with
   lmprefetch, against recomputing, vLLM's own prefix cache and LMCache (needs the ``vllm``
   extra; see :mod:`lmprefetch.bench.serve`).
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.disk import add_arguments as add_disk_arguments
 
     d = sub.add_parser(
-        "bench-disk", help="the disk goals, quiet and beside busy CPUs, against LMCache"
+        "bench-disk", help="the disk goals, alone and beside busy CPUs, against LMCache"
     )
     add_disk_arguments(d)
     d.set_defaults(func=_bench_disk)

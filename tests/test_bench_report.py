@@ -152,37 +152,3 @@ def test_the_disk_figure_is_the_median_of_the_rounds_ratios() -> None:
     r = _system_result(disk_probe={})
     assert math.isnan(next(g for g in goals(r) if g.key == "disk_prefetch_vs_verified_read").value)
 
-
-def test_bench_disk_summarizes_each_condition_over_its_runs() -> None:
-    from lmprefetch.bench import disk as bench_disk
-
-    def sample(condition: str, run: int, ratio: float, p99: float, load: float) -> Any:
-        s = bench_disk.Sample(condition, run)
-        s.figures = {"disk_hit_vs_lmcache": ratio, "cancel_release_ms_p99": p99}
-        s.loads = {k: bench_disk.Load(load, load + 1, load / 2) for k in s.figures}
-        return s
-
-    samples = [
-        sample("quiet", 0, 0.5, 0.4, 1.0), sample("burners", 0, 0.9, 5.0, 3.0),
-        sample("burners", 1, 0.7, 7.0, 4.0), sample("quiet", 1, 0.55, math.nan, 0.5),
-        sample("quiet", 2, 0.9, 0.8, 2.0),
-    ]  # fmt: skip
-    summary = bench_disk.summarize(samples)
-    quiet, busy = summary["quiet"], summary["burners"]
-    assert quiet["disk_hit_vs_lmcache"]["median"] == 0.55
-    assert (quiet["disk_hit_vs_lmcache"]["min"], quiet["disk_hit_vs_lmcache"]["max"]) == (0.5, 0.9)
-    assert quiet["disk_hit_vs_lmcache"]["load_avg"] == [0.5, 3.0]  # lowest start, highest end
-    assert quiet["disk_hit_vs_lmcache"]["run_queue"] == [0.25, 1.0]
-    assert quiet["cancel_release_ms_p99"]["n"] == 2  # a run without the figure is left out
-    assert busy["disk_hit_vs_lmcache"]["median"] == 0.8
-    r = {"summary": summary, "runs": 3, "burners": 2, "chunks": 16, "chunk_bytes": 2 << 20,
-         "seconds": 1.0, "lmcache": True, "ok": True}  # fmt: skip
-    by_key = {g.key: g for g in bench_disk.goals(r)}
-    assert by_key["disk_hit_vs_lmcache:quiet"].met  # 0.55 <= 0.6
-    assert not by_key["disk_hit_vs_lmcache:burners"].met
-    assert by_key["cancel_release_ms_p99:quiet"].met and not by_key[
-        "cancel_release_ms_p99:burners"
-    ].met
-    text = bench_disk.format_report(r)
-    assert text.count("✗ MISSED") == 2 and text.count("✓") == 2
-    assert "load avg 0.5–3.0, run queue 0.2–1.0" in text  # the load beside each figure

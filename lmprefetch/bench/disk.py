@@ -1,4 +1,4 @@
-"""``lmprefetch bench-disk``: every disk figure that has a goal, quiet and beside busy CPUs.
+"""``lmprefetch bench-disk``: every disk figure that has a goal, alone and beside busy CPUs.
 
 One command for the disk goals, so that they are always taken the same way:
 
@@ -9,13 +9,13 @@ One command for the disk goals, so that they are always taken the same way:
   concurrency, and cancel of an in-flight disk prefetch → released, p99 and max
   (:func:`lmprefetch.bench.system.run_bench`, with a small workload);
 
-each under two conditions: *quiet* (nothing else started) and *burners* (``--burners``
-CPU-bound processes, two by default, running beside the whole measurement, so that both sides
-of every ratio meet them alike).  A run measures both conditions, in alternating order from run
-to run; the figure printed is the median over ``--runs`` runs, with its range.  Beside each
-figure: the 1-minute load average at the start and end of its measurements, and the mean number
-of runnable tasks sampled from ``/proc/stat`` meanwhile (the load average lags by a minute; the
-run queue does not).
+each under two conditions: *alone* (nothing started beside it: on a quiet machine, the machine
+to itself) and *burners* (``--burners`` CPU-bound processes, two by default, running beside the
+whole measurement, so that both sides of every ratio meet them alike).  A run measures both
+conditions, in alternating order from run to run; the figure printed is the median over
+``--runs`` runs, with its range.  Beside each figure: the 1-minute load average at the start
+and end of its measurements, and the mean number of runnable tasks sampled from ``/proc/stat``
+meanwhile (the load average lags by a minute; the run queue does not).
 
 LMCache is measured in this process when it can be imported (``--lmcache auto``), one
 :class:`~lmprefetch.bench.lmcache_peer.LMCachePeer` for the whole command; run the command with
@@ -44,7 +44,9 @@ from .workload import BenchOptions, int_at_least
 __all__ = ["add_arguments", "main", "run", "summarize"]
 
 MiB = 1024 * 1024
-CONDITIONS = ("quiet", "burners")
+#: ``alone``: nothing started beside the benchmark (a quiet machine, if nothing else runs);
+#: ``burners``: ``--burners`` CPU-bound processes beside it.
+CONDITIONS = ("alone", "burners")
 
 
 def _burn() -> None:  # pragma: no cover - runs in a child process until terminated
