@@ -72,3 +72,25 @@ def test_bench_disk_quick_runs_every_condition() -> None:
         f"{k}:{c}" for k in ("disk_prefetch_vs_verified_read", "cancel_release_ms_p99")
         for c in ("alone", "burners")
     }  # fmt: skip
+
+
+@pytest.mark.lmcache
+def test_bench_disk_quick_measures_lmcache_beside_each_figure() -> None:
+    pytest.importorskip("lmcache")
+    out = subprocess.run(
+        [*CLI, "bench-disk", "--quick", "--runs", "1", "--repeats", "2", "--lmcache", "on",
+         "--burners", "1", "--json"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["ok"] is True and r["lmcache"] is True  # LMCache's answers were right too
+    for condition in ("alone", "burners"):
+        figures = r["summary"][condition]
+        for key in ("disk_hit_vs_lmcache", "disk_x8_vs_lmcache", "disk_hit_hashed_vs_lmcache",
+                    "disk_hit_cpu_vs_lmcache"):  # fmt: skip
+            assert figures[key]["median"] > 0, key
+    assert {g["key"].split(":")[0] for g in r["goals"]} == {
+        "disk_hit_vs_lmcache", "disk_x8_vs_lmcache", "disk_prefetch_vs_verified_read",
+        "cancel_release_ms_p99",
+    }  # fmt: skip
