@@ -99,7 +99,7 @@ ALIGN = 4096
 #: gives the GIL up and takes it back around every read and every hash, and with several read
 #: threads and the Trio thread each taking it back can wait for the others.  Measured on a
 #: 2-core VM (16 x 2 MiB disk hits through the engine, variants alternated in one process):
-#: 256 KiB pieces took 1.2-1.6x the time of 1 MiB pieces; 512 KiB 1.03-1.17x; whole 2 MiB
+#: 256 KiB pieces took 1.2-1.6x the time of 1 MiB pieces; 512 KiB 1.03-1.16x; whole 2 MiB
 #: chunks 0.83-1.05x (the machine's load moved more than that), but a cancel would then wait
 #: for a whole chunk.  A multiple of ``ALIGN``.
 PIECE_BYTES = 1024 * 1024
