@@ -53,7 +53,7 @@ def test_bench_disk_summarizes_each_condition_over_its_runs() -> None:
 def test_bench_disk_quick_runs_every_condition() -> None:
     out = subprocess.run(
         [*CLI, "bench-disk", "--quick", "--runs", "1", "--repeats", "2", "--lmcache", "off",
-         "--burners", "1", "--json"],
+         "--burners", "1", "--json", "-"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -79,7 +79,7 @@ def test_bench_disk_quick_measures_lmcache_beside_each_figure() -> None:
     pytest.importorskip("lmcache")
     out = subprocess.run(
         [*CLI, "bench-disk", "--quick", "--runs", "1", "--repeats", "2", "--lmcache", "on",
-         "--burners", "1", "--json"],
+         "--burners", "1", "--json", "-"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr

@@ -362,7 +362,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(required), off (default: auto)")
     p.add_argument("--quick", action="store_true",
                    help="small chunks and a small workload: checks that it runs, no figures")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every sample and the summary as JSON to FILE ('-': print "
+                   "the JSON instead of the table)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -374,5 +376,11 @@ def main(args: argparse.Namespace) -> int:
     r = run(args.runs, args.repeats, args.burners, lmcache=args.lmcache, quick=args.quick,
             log=log)
     r["goals"] = [g.as_dict() for g in goals(r)]
-    print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))
+    if args.json == "-":
+        print(json.dumps(r, indent=2, default=str))
+    else:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=2, default=str)
+        print(format_report(r))
     return 0 if r["ok"] else 1
