@@ -4,6 +4,8 @@
   (see :mod:`lmprefetch.bench`); runs with no arguments right after install.
 * ``lmprefetch bench-engine`` — the engine alone: CPU hit, disk hit, miss and concurrent disk
   lookups, beside the raw read time of the same files.
+* ``lmprefetch bench-disk`` — every disk figure that has a goal (against LMCache where it can
+  be imported), alone and with CPU-bound processes beside it (see :mod:`lmprefetch.bench.disk`).
 * ``lmprefetch bench-serve`` — time to first token on vLLM's OpenAI server (CPU build) with
   lmprefetch, against recomputing, vLLM's own prefix cache and LMCache (needs the ``vllm``
   extra; see :mod:`lmprefetch.bench.serve`).
@@ -229,6 +231,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
 
 
+def _bench_disk(args: argparse.Namespace) -> int:
+    from .bench import disk
+
+    return disk.main(args)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from .bench import serve as bench_serve
 
@@ -286,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("bench-engine", help="the engine alone vs the raw read of its files")
     add_engine_arguments(e)
     e.set_defaults(func=_bench_engine)
+
+    from .bench.disk import add_arguments as add_disk_arguments
+
+    d = sub.add_parser(
+        "bench-disk", help="the disk goals, alone and beside busy CPUs, against LMCache"
+    )
+    add_disk_arguments(d)
+    d.set_defaults(func=_bench_disk)
 
     from .bench.serve import add_arguments as add_serve_arguments
 

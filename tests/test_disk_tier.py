@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +22,24 @@ if sys.version_info < (3, 11):
 import trio
 import trio.testing
 
-from lmprefetch.keys import ChunkKey
-from lmprefetch.memory import Arena, Buffer
+from lmprefetch.memory import Arena
 from lmprefetch.tiers import chunkfile
-from lmprefetch.tiers.disk import HEADER_BYTES, MAGIC, DiskTier, open_disk_tier
+from lmprefetch.tiers.disk import HEADER_BYTES, MAGIC
 
-SLOT_BYTES = 16 * 1024  # a multiple of the page size: O_DIRECT can read into these slots
-NUM_SLOTS = 32
-TIMEOUT_S = 20
-
-
-def key(h: int) -> ChunkKey:
-    return ChunkKey("m", 1, 0, h, "bfloat16")
-
-
-def payload(h: int, size: int = SLOT_BYTES) -> bytes:
-    return random.Random(h).randbytes(size)
-
-
-def file_of(path: Path, k: ChunkKey) -> trio.Path:
-    return trio.Path(path / (k.to_string() + ".kv"))
+from .disk_tiers import (
+    NUM_SLOTS,
+    SLOT_BYTES,
+    TIMEOUT_S,
+    OsProxy,
+    enqueue,
+    file_of,
+    filled,
+    key,
+    load,
+    opened,
+    payload,
+    store,
+)
 
 
 @pytest.fixture
@@ -52,54 +48,6 @@ def arena() -> Iterator[Arena]:
     yield a
     assert a.free_slots == a.num_slots, "a buffer reference was never released"
     a.close()
-
-
-@asynccontextmanager
-async def opened(path: Path, **overrides: Any) -> AsyncIterator[DiskTier]:
-    kwargs: dict[str, Any] = {
-        "capacity_bytes": 1 << 24,
-        "read_threads": 4,
-        "write_queue": 64,
-        "o_direct": False,
-    }
-    kwargs.update(overrides)
-    async with open_disk_tier(str(path), **kwargs) as tier:
-        yield tier
-
-
-def filled(arena: Arena, data: bytes) -> Buffer:
-    buf = arena.allocate()
-    assert buf is not None
-    buf.write(data)
-    return buf
-
-
-def enqueue(tier: DiskTier, arena: Arena, h: int, data: bytes | None = None) -> bool:
-    """Queue ``data`` (default ``payload(h)``) under ``key(h)``, as the engine's store does:
-    the caller's own reference is released at once, the tier keeps its own."""
-    buf = filled(arena, payload(h) if data is None else data)
-    try:
-        return tier.enqueue_write(key(h), buf)
-    finally:
-        buf.release()
-
-
-async def store(tier: DiskTier, arena: Arena, hs: Sequence[int], size: int = SLOT_BYTES) -> None:
-    for h in hs:
-        assert enqueue(tier, arena, h, payload(h, size))
-    await tier.flush()
-
-
-async def load(tier: DiskTier, arena: Arena, keys: Sequence[ChunkKey]) -> list[bytes]:
-    """Load ``keys``; the payloads of the contiguous prefix the tier reports."""
-    bufs = arena.allocate_many(len(keys))
-    try:
-        assert len(bufs) == len(keys)
-        n = await tier.load(keys, bufs)
-        return [bytes(b.view()) for b in bufs[:n]]
-    finally:
-        for b in bufs:
-            b.release()
 
 
 # -- round trip, restart ---------------------------------------------------------------------
@@ -735,7 +683,7 @@ async def test_o_direct_refused_falls_back_to_buffered_reads(
     with trio.fail_after(TIMEOUT_S):
         async with opened(tmp_path, o_direct=True) as tier:
             await store(tier, arena, range(3), size=7000)
-            monkeypatch.setattr(chunkfile, "os", _OsProxy({"open": refusing_open}))
+            monkeypatch.setattr(chunkfile, "os", OsProxy({"open": refusing_open}))
             got = await load(tier, arena, [key(h) for h in range(3)])
             assert got == [payload(h, 7000) for h in range(3)]
             assert tier.o_direct_reads == 0
@@ -791,7 +739,7 @@ async def test_o_direct_read_refused_falls_back_to_buffered_reads(
             monkeypatch.setattr(
                 chunkfile,
                 "os",
-                _OsProxy(
+                OsProxy(
                     {"open": open_tracking, "close": close_tracking, "preadv": preadv_refusing}
                 ),
             )
@@ -815,53 +763,10 @@ async def test_o_direct_needs_page_aligned_slots(tmp_path: Path) -> None:
 
 
 # -- the Trio thread never does file I/O -----------------------------------------------------
-_FILE_CALLS = frozenset(
-    {
-        "open",
-        "close",
-        "preadv",
-        "pread",
-        "read",
-        "write",
-        "writev",
-        "fstat",
-        "stat",
-        "scandir",
-        "listdir",
-        "makedirs",
-        "mkdir",
-        "unlink",
-        "remove",
-        "replace",
-        "rename",
-    }
-)
-
-
-class _OsProxy:
-    """Stands in for the ``os`` module inside ``lmprefetch.tiers.disk``: records which thread
-    makes each file call, and can replace some calls."""
-
-    def __init__(self, replace: dict[str, Callable[..., Any]] | None = None) -> None:
-        self.calls: list[tuple[str, int]] = []
-        self._replace = replace or {}
-
-    def __getattr__(self, name: str) -> Any:
-        real = self._replace.get(name, getattr(os, name))
-        if name not in _FILE_CALLS:
-            return real
-
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, threading.get_ident()))
-            return real(*args, **kwargs)
-
-        return spy
-
-
 async def test_file_operations_never_run_on_the_trio_thread(
     tmp_path: Path, arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = _OsProxy()
+    spy = OsProxy()
     monkeypatch.setattr(chunkfile, "os", spy)
     trio_thread = threading.get_ident()
     file_bytes = HEADER_BYTES + 4096

@@ -206,7 +206,7 @@ class Started(Exception):
 def stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing real starts: no worker runtime, no benchmark, no signal handler, no
     ``LMPREFETCH_*`` variable from the environment this suite runs in."""
-    from lmprefetch.bench import engine, system
+    from lmprefetch.bench import disk, engine, system
     from lmprefetch.runtime import WorkerRuntime
 
     def start(*args: object, **kwargs: object) -> None:
@@ -215,6 +215,7 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(WorkerRuntime, "start", start)
     monkeypatch.setattr(system, "run_bench", start)
     monkeypatch.setattr(engine, "run", start)
+    monkeypatch.setattr(disk, "run", start)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     for name in list(os.environ):
         if name.startswith("LMPREFETCH_"):
@@ -227,6 +228,8 @@ _options = [
     "--concurrency", "--abort-ratio", "--chunk-bytes", "--cpu-bytes", "--miss-lookups",
     "--rtt-samples", "--transport", "--seed", "--json", "--plot", "--no-progress", "--chunks",
     "-v", "--verbose", "--help", "--version", "--rank=", "--", "-", "--rnk",
+    "--runs", "--burners", "--lmcache", "--quick", "--disk-only", "--disk-probe-rounds",
+    "--cancel-samples",
 ]  # fmt: skip
 _endpoints = st.one_of(
     st.just("ipc://@lmp-fuzz-cli").map(lambda s: f"{s}-{uuid.uuid4().hex[:8]}"),
@@ -259,7 +262,7 @@ _worker_argv = st.tuples(
 argvs = st.one_of(
     st.lists(
         st.one_of(
-            st.sampled_from(["worker", "bench", "bench-engine"]),
+            st.sampled_from(["worker", "bench", "bench-engine", "bench-disk"]),
             st.sampled_from(_options),
             _arg_values,
         ),
@@ -267,7 +270,7 @@ argvs = st.one_of(
     ),
     _worker_argv,
     st.tuples(
-        st.sampled_from(["bench", "bench-engine"]),
+        st.sampled_from(["bench", "bench-engine", "bench-disk"]),
         st.lists(st.tuples(st.sampled_from(_options), _arg_values), max_size=4),
     ).map(lambda t: [t[0], *[x for pair in t[1] for x in pair]]),
 )

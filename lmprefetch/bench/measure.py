@@ -1,5 +1,6 @@
 """The measurements of ``lmprefetch bench``: round trips, scheduler costs, throughput, the chat
-replay, raw read bandwidth, and the transport breakdown."""
+replay, and the transport breakdown (the disk and cancel figures are measured inside the worker
+processes, :mod:`.processes`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -38,7 +38,6 @@ __all__ = [
     "measure_transport",
     "measure_worker_rtt",
     "percentile",
-    "raw_read_gbps",
     "replay",
 ]
 
@@ -379,48 +378,6 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
         return math.nan
     k = min(len(sorted_values) - 1, max(0, math.ceil(p / 100 * len(sorted_values)) - 1))
     return sorted_values[k]
-
-
-def raw_read_gbps(disk_dirs: Sequence[Path], max_bytes: int = 256 * MiB) -> dict[str, float]:
-    """Read the disk tiers' chunk files (page cache) as plainly as possible: ``preadv`` of
-    each whole file into its own page-aligned buffer (a prefetch needs one buffer per chunk),
-    and the same followed by the xxh3 check a verified read must make.  GB/s of each."""
-    import mmap
-
-    import xxhash
-
-    files = [p for d in disk_dirs for p in sorted(d.glob("*.kv"))][:256]
-    if not files:
-        return {"raw": math.nan, "verified": math.nan}
-    size = max(p.stat().st_size for p in files)
-    n_slots = max(1, min(len(files), max_bytes // size))
-    area = mmap.mmap(-1, size * n_slots)
-    whole = memoryview(area)
-    slots = [whole[i * size : (i + 1) * size] for i in range(n_slots)]
-
-    def read_all(verify: bool) -> float:
-        total = 0
-        t0 = time.perf_counter()
-        for i, p in enumerate(files):
-            slot = slots[i % n_slots]
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                n = os.preadv(fd, [slot], 0)
-            finally:
-                os.close(fd)
-            if verify:
-                xxhash.xxh3_64_intdigest(slot[:n])
-            total += n
-        return total / (time.perf_counter() - t0) / 1e9
-
-    try:
-        read_all(False)  # warm the page cache like the engine's reads found it
-        return {"raw": read_all(False), "verified": read_all(True)}
-    finally:
-        for slot in slots:
-            slot.release()
-        whole.release()
-        area.close()
 
 
 def measure_transport(

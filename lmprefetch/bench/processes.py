@@ -4,6 +4,7 @@ transport's physical limit."""
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -83,6 +84,8 @@ def worker_main(
                 conn.send(_wait_idle(runtime, float(arg)))
             elif cmd == "cancel_probe":
                 conn.send(_measure_cancel(runtime, int(arg)))
+            elif cmd == "disk_probe":
+                conn.send(_measure_disk(runtime, *arg))
             elif cmd == "stop":
                 break
     finally:
@@ -153,6 +156,117 @@ def _measure_cancel(runtime: Any, n: int) -> dict[str, list[float]]:
 
 def _nothing() -> None:
     pass
+
+
+#: Chunks per lookup of the disk probe (the engine benchmark's 16 x 2 MiB lookups).
+DISK_PROBE_CHUNKS = 16
+
+
+def _measure_disk(runtime: Any, concurrency: int, rounds: int) -> dict[str, Any]:
+    """The disk figure, like with like: ``concurrency`` disk-only lookups at once (of
+    :data:`DISK_PROBE_CHUNKS` chunks each, claimed and released), against a read of the very
+    same files by ``concurrency`` threads at once, each ``preadv`` of a whole file into its own
+    page-aligned buffer plus the xxh3 check a verified read makes (and without the check).
+    The three alternate, ``rounds`` times after one unmeasured round; GB/s of payload bytes
+    of each sample.  The lookups run on the worker's Trio loop, the plain reads in this
+    thread's pool, in the same process."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import trio
+    import xxhash
+
+    from ..tiers.chunkfile import FILE_SUFFIX, HEADER_BYTES
+
+    engine = runtime.engine
+    disk = next((t for t in engine.tiers if t.name == "disk"), None)
+    if disk is None:
+        return {}
+    keys = disk.keys()
+    # At most DISK_PROBE_CHUNKS per lookup, fewer when the tier or the limiter (the chunks
+    # that may load at once) has less room: every lookup must load all its chunks.
+    room = min(len(keys), int(engine.stats()["limiter_total"]))
+    concurrency = min(concurrency, room)
+    n = min(DISK_PROBE_CHUNKS, room // concurrency) if concurrency else 0
+    if n < 1:
+        return {}
+    groups = [keys[i * n : (i + 1) * n] for i in range(concurrency)]
+    paths = [[os.path.join(disk.path, k.to_string() + FILE_SUFFIX) for k in g] for g in groups]
+    slot_bytes = -(-(HEADER_BYTES + engine.config.chunk_bytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    area = mmap.mmap(-1, slot_bytes * len(groups))
+    whole = memoryview(area)
+    slots = [whole[j * slot_bytes : (j + 1) * slot_bytes] for j in range(len(groups))]
+
+    def read_group(j: int, verify: bool) -> int:
+        payload = 0
+        for path in paths[j]:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [slots[j]], 0)
+            finally:
+                os.close(fd)
+            if verify:
+                with slots[j][HEADER_BYTES:got] as data:
+                    xxhash.xxh3_64_intdigest(data)
+            payload += got - HEADER_BYTES
+        return payload
+
+    def plain_round(pool: ThreadPoolExecutor, verify: bool) -> float:
+        t0 = time.perf_counter()
+        payload = sum(pool.map(read_group, range(len(groups)), [verify] * len(groups)))
+        return payload / (time.perf_counter() - t0) / 1e9
+
+    async def prefetch_round(tag: str) -> float:
+        for group in groups:  # disk only: nothing of these in the CPU tier
+            for key in group:
+                engine.cpu.discard(key)
+        loaded: list[int] = []
+
+        async def one(j: int) -> None:
+            lookup_id = f"disk-probe-{tag}-{j}"
+            hashes = [k.chunk_hash for k in groups[j]]
+            # Hashes that are not a chain still load as a "prefix" per tier (see
+            # _measure_cancel); offsets of 1 token per chunk.
+            await engine.lookup_and_prefetch(lookup_id, hashes, [1] * len(hashes))
+            with engine.claim(lookup_id) as items:
+                loaded.append(sum(buf.length for _, buf in items))
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for j in range(len(groups)):
+                nursery.start_soon(one, j)
+        dt = time.perf_counter() - t0
+        return sum(loaded) / dt / 1e9
+
+    out: dict[str, Any] = {
+        "concurrency": len(groups),
+        "chunks_per_lookup": n,
+        "prefetch_gbps": [],
+        "verified_read_gbps": [],
+        "raw_read_gbps": [],
+    }
+    trusted0, verified0 = disk.trusted_reads, disk.verified_reads
+    try:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            for r in range(rounds + 1):  # round 0 warms up and is not kept
+                order = ["prefetch_gbps", "verified_read_gbps", "raw_read_gbps"]
+                if r % 2:  # alternate who goes first
+                    order.reverse()
+                for name in order:
+                    if name == "prefetch_gbps":
+                        gbps = float(runtime.call(prefetch_round, str(r)))
+                    else:
+                        gbps = plain_round(pool, verify=name == "verified_read_gbps")
+                    if r:
+                        out[name].append(gbps)
+    finally:
+        for slot in slots:
+            slot.release()
+        whole.release()
+        area.close()
+    out["reads_trusted"] = disk.trusted_reads - trusted0
+    out["reads_hashed"] = disk.verified_reads - verified0
+    return out
 
 
 @_quiet_on_ctrl_c

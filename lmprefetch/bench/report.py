@@ -3,7 +3,8 @@
 Every figure with a goal is printed with it and marked ``✓`` or ``✗ MISSED`` (see
 :class:`~lmprefetch.bench.goals.Goal`); ``--json`` carries the same list under ``goals``.  The
 disk figures compare with the same baseline everywhere, text and plot: a plain read of the same
-files *plus* the xxh3 check a verified read must make.
+files *plus* the xxh3 check a verified read must make, by as many threads as there are lookups,
+in the same run (the disk probe, see :func:`~lmprefetch.bench.system.summarize_disk_probe`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ __all__ = ["format_report", "goals", "plot", "throughput_bars"]
 
 
 def _disk_ratio(r: dict[str, Any]) -> float:
-    disk = r["tier_gbps"].get("disk")
-    verified = r.get("raw_disk_read_verified_gbps", math.nan)
-    if disk is None or not verified or math.isnan(verified):
-        return math.nan
-    return float(disk / verified)
+    """Disk prefetch ÷ the verified read of the same files at the same concurrency."""
+    return float(r.get("disk_probe", {}).get("vs_verified_read", math.nan))
 
 
 def _ratio(a: float | None, b: float | None) -> float:
@@ -107,19 +105,23 @@ def goals(r: dict[str, Any]) -> list[Goal]:
         ),
         goal(
             "disk_prefetch_vs_verified_read",
-            "disk prefetch ÷ raw read + xxh3 of the same files",
-            ">=", 0.8, "×", "replay",
-            # The read is the limit, and the ratio is to it: nothing bounds the ratio itself.
-            None,
+            "disk prefetch ÷ verified read, same files, same concurrency",
+            ">=", 0.8, "×", "disk",
+            # The ratio is to the verified read, but a file verified once and unchanged since
+            # is read without hashing it again: the plain read of the same files is its limit.
+            Limit(
+                "a plain read of the same files, same concurrency, ÷ the verified read",
+                r.get("disk_probe", {}).get("raw_vs_verified_read", math.nan),
+            ),
             value=_disk_ratio(r),
         ),
         goal(
-            "cancel_release_ms_max",
-            f"cancel in-flight disk prefetch → released, max of {r['cancel_samples']}",
+            "cancel_release_ms_p99",
+            f"cancel in-flight disk prefetch → released, p99 of {r['cancel_samples']}",
             "<=", 1.0, "ms", "cancel",
             Limit(
-                "the slowest bare hop to a worker thread and back, same workers",
-                r.get("thread_hop_ms_max", math.nan),
+                "the p99 of bare hops to a worker thread and back, same workers",
+                r.get("thread_hop_ms_p99", math.nan),
             ),
         ),
     ]  # fmt: skip
@@ -151,20 +153,29 @@ def format_report(r: dict[str, Any]) -> str:
         f"{rep['latency_p99_ms']:.3f} ms",
         f"    hit ratio                     {rep['hit_ratio']:9.1%}",
     ]
-    raw = r["raw_disk_read_gbps"]
-    verified = r.get("raw_disk_read_verified_gbps", math.nan)
     for name, gbps in r["tier_gbps"].items():
         moved = r["tier_bytes_loaded"][name] / 1e6
         if name == "cpu":
             lines.append(f"    prefetch from cpu             zero-copy ({moved:.0f} MB handed out)")
         elif gbps is not None:
-            extra = ""
-            if name == "disk" and not math.isnan(verified):
-                extra = (
-                    f"   raw read + xxh3 of the same files {verified:.2f} GB/s "
-                    f"(unverified {raw:.2f})   ratio {gbps / verified:.2f}×"
-                )
-            lines.append(f"    prefetch from {name:<15} {gbps:9.2f} GB/s ({moved:.0f} MB){extra}")
+            lines.append(
+                f"    prefetch from {name:<15} {gbps:9.2f} GB/s ({moved:.0f} MB, while its loads "
+                "were in flight)"
+            )
+    probe = r.get("disk_probe") or {}
+    if probe:
+        lines += [
+            f"  disk prefetch, {probe['workers']} workers × {probe['concurrency_per_worker']} "
+            f"lookups of {probe['chunks_per_lookup']} chunks at once, {probe['rounds']} "
+            "alternating rounds per worker:",
+            f"    lookups {probe['prefetch_gbps']:.2f} GB/s   the same files read by as many "
+            f"threads, preadv + xxh3 {probe['verified_read_gbps']:.2f} GB/s (preadv alone "
+            f"{probe['raw_read_gbps']:.2f})",
+            f"    ratio (median of the rounds' ratios) {probe['vs_verified_read']:.2f}× the "
+            f"verified read, {probe['vs_raw_read']:.2f}× the plain read; the lookups' reads: "
+            f"{probe['reads_trusted']} of files unchanged since verified (unhashed), "
+            f"{probe['reads_hashed']} hashed",
+        ]
     lines += [
         f"  cancel in-flight disk prefetch → released ({r['cancel_samples']} cancels)   "
         f"p50 {r['cancel_release_ms_p50']:.3f} ms, p99 {r['cancel_release_ms_p99']:.3f} ms, "
@@ -194,18 +205,15 @@ def _machine_text(r: dict[str, Any]) -> str:
 
 
 def throughput_bars(r: dict[str, Any]) -> tuple[list[str], list[float]]:
-    """The plot's throughput bars: each loading tier's prefetch GB/s, then the baseline the
-    text's ratio uses (a plain read of the same files plus the xxh3 check)."""
-    names, values = [], []
-    for name, gbps in r["tier_gbps"].items():
-        if gbps is not None and name != "cpu":
-            names.append(f"{name} prefetch")
-            values.append(float(gbps))
-    verified = r.get("raw_disk_read_verified_gbps", math.nan)
-    if not math.isnan(verified):
-        names.append("raw read + xxh3")
-        values.append(float(verified))
-    return names, values
+    """The plot's throughput bars: the disk probe's lookups, then the baseline the text's
+    ratio uses (a plain read of the same files plus the xxh3 check, same concurrency)."""
+    probe = r.get("disk_probe") or {}
+    if not probe:
+        return [], []
+    return (
+        ["disk prefetch", "raw read + xxh3"],
+        [float(probe["prefetch_gbps"]), float(probe["verified_read_gbps"])],
+    )
 
 
 def plot(r: dict[str, Any], path: str) -> None:

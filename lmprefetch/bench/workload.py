@@ -37,6 +37,7 @@ class BenchOptions:
     miss_lookups: int = 20_000
     rtt_samples: int = 2_000
     cancel_samples: int = 100  # per worker
+    disk_probe_rounds: int = 8  # per worker: lookups vs the verified read of the same files
     seed: int = 0
     transport: str = "ipc"
     json: bool = False

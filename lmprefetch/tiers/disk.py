@@ -11,6 +11,14 @@ renamed by hand is a miss, not wrong data); the checksum means a torn or bit-fli
 miss, never garbage handed to the model (LMCache's disk backend returns normally from a missing
 file, leaving the buffer unread, D17).
 
+Verified once.  The tier remembers, per key, the identity of the file (device, inode, size,
+mtime, ctime) that a read hashed and found good, and later reads of an unchanged file skip the
+hash (:mod:`lmprefetch.tiers.chunkfile` explains why a change always shows, and git's rule for
+files changed too recently to tell).  The checksum is the expensive part of a read that the
+page cache serves: hashing runs without the GIL, so it does not serialise concurrent reads, but
+it costs CPU time the reads could use.  What is remembered lives in memory: after a restart
+every file is hashed on its first read again.  ``verify_once = False`` hashes every read.
+
 Threads and the Trio thread.  Every file operation (``open``, ``read``, ``write``, ``stat``,
 ``scandir``, ``unlink``, ``replace``) runs in :func:`trio.to_thread.run_sync` under a limiter the
 tier owns: reads under ``CapacityLimiter(read_threads)`` shared by every load, writes, unlinks and
@@ -43,8 +51,10 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import NamedTuple
 
 import trio
 
@@ -52,7 +62,7 @@ from ..keys import ChunkKey
 from ..memory import Buffer
 from . import chunkfile
 from .base import BaseTier
-from .chunkfile import HEADER_BYTES, MAGIC
+from .chunkfile import HEADER_BYTES, MAGIC, FileIdentity
 from .writebehind import WriteBehindQueue, WriteEntry
 
 __all__ = ["HEADER_BYTES", "MAGIC", "DiskTier", "open_disk_tier"]
@@ -62,9 +72,22 @@ log = logging.getLogger("lmprefetch.disk")
 #: Chunks one thread call reads at most before handing its read-limiter token back.
 _CHUNKS_PER_THREAD_CALL = 8
 
-_ReadJob = tuple[str, bytes, memoryview]  # file path, key string, destination slot
-#: A chunk read's outcome: ``(payload bytes, read with O_DIRECT)``, or why it missed.
-_ReadOutcome = tuple[int, bool] | chunkfile.ChunkMiss | OSError
+#: File path, key string, destination slot, and the file's identity if it may skip the hash.
+_ReadJob = tuple[str, bytes, memoryview, FileIdentity | None]
+
+
+class _Loaded(NamedTuple):
+    """A chunk read into its slot, verified (or trusted)."""
+
+    read: chunkfile.ChunkRead
+    #: Read with ``O_DIRECT``.
+    direct: bool
+    #: This host's clock when the read began (before the file was opened).
+    started_ns: int
+
+
+#: A chunk read's outcome, or why it missed.
+_ReadOutcome = _Loaded | chunkfile.ChunkMiss | OSError
 
 
 class _LoadRun:
@@ -178,6 +201,15 @@ class DiskTier(BaseTier):
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._used_bytes = 0
+        # Verified once: the identity of each file whose bytes a read verified, while it may be
+        # trusted (chunkfile.may_trust).  Trio thread only, like the index; a key leaves both
+        # together.
+        self._trusted: dict[ChunkKey, FileIdentity] = {}
+        #: The file system's clock minus this host's (measured when the tier opens).
+        self.clock_offset_ns = 0
+        #: Whether a file verified once is read unhashed while it is unchanged; ``False``
+        #: hashes every read (the benchmarks compare the two).
+        self.verify_once = True
         # Write-behind (Trio thread only): one file at a time, in order.
         self._writes = WriteBehindQueue(write_queue, self.stats)
         self._writer_scope: trio.CancelScope | None = None
@@ -189,6 +221,10 @@ class DiskTier(BaseTier):
         self.corrupt_files_removed = 0
         #: Chunks read with ``O_DIRECT``.
         self.o_direct_reads = 0
+        #: Chunks whose payload was hashed and matched its checksum.
+        self.verified_reads = 0
+        #: Chunks read without hashing: their file was unchanged since a verified read.
+        self.trusted_reads = 0
 
     # -- index ------------------------------------------------------------------------
     def _file_path(self, key: ChunkKey) -> str:
@@ -201,15 +237,16 @@ class DiskTier(BaseTier):
 
     async def _rebuild_index(self) -> None:
         """Create the directory and index the chunk files already in it (oldest first)."""
-        found, foreign, stale = await trio.to_thread.run_sync(
+        scan = await trio.to_thread.run_sync(
             chunkfile.scan_dir, self.path, self._owns, limiter=self._write_limiter
         )
-        found.sort(key=lambda entry: entry[0])  # by mtime: the best LRU order a restart has
+        found = sorted(scan.found, key=lambda entry: entry[0])  # by mtime: the best LRU order
         for _, key, size in found:
             self._index[key] = size
             self._used_bytes += size
-        self.foreign_files = foreign
-        self.stale_temp_files_removed = stale
+        self.foreign_files = scan.foreign
+        self.stale_temp_files_removed = scan.stale_temps
+        self.clock_offset_ns = scan.clock_offset_ns
         victims: list[str] = []
         while self._used_bytes > self.capacity_bytes and self._index:
             key, size = self._index.popitem(last=False)
@@ -233,6 +270,7 @@ class DiskTier(BaseTier):
         return self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
 
     def _drop(self, key: ChunkKey) -> None:
+        self._trusted.pop(key, None)
         size = self._index.pop(key, None)
         if size is not None:
             self._used_bytes -= size
@@ -263,9 +301,10 @@ class DiskTier(BaseTier):
         if indexed == 0:
             await trio.lowlevel.checkpoint()
             return 0
+        trusted = self._trusted if self.verify_once else {}
         with contextlib.ExitStack() as slots:  # released once no thread can touch them
             run = _LoadRun([
-                (*self._path_and_name(key), slots.enter_context(buf.slot()))
+                (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
                 for key, buf in zip(keys[:indexed], buffers, strict=False)
             ])
             readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
@@ -319,10 +358,10 @@ class DiskTier(BaseTier):
         failed read, and raises ``Cancelled`` before a chunk, or between the pieces of one,
         once the load was cancelled."""
         check = trio.from_thread.check_cancelled
-        for i, job in enumerate(run.jobs):
+        for i, (path, key_bytes, slot, trusted) in enumerate(run.jobs):
             check()
             try:
-                run.outcomes[i] = self._read_chunk(*job, check)
+                run.outcomes[i] = self._read_chunk(path, key_bytes, slot, check, trusted)
             except (chunkfile.ChunkMiss, OSError) as exc:
                 run.fail(i, exc)
                 return
@@ -335,8 +374,9 @@ class DiskTier(BaseTier):
                 i = run.take()
                 if i is None:
                     return
+                path, key_bytes, slot, trusted = run.jobs[i]
                 try:
-                    run.outcomes[i] = self._read_chunk(*run.jobs[i], run.check)
+                    run.outcomes[i] = self._read_chunk(path, key_bytes, slot, run.check, trusted)
                 except (chunkfile.ChunkMiss, OSError) as exc:
                     run.fail(i, exc)
                     return
@@ -356,15 +396,16 @@ class DiskTier(BaseTier):
             key = keys[i]
             if outcome is None:  # not read: past a miss, or cancelled
                 prefix = False
-            elif isinstance(outcome, tuple):
-                length, direct = outcome
-                buffers[i].length = length
-                self.o_direct_reads += direct
+            elif isinstance(outcome, _Loaded):
+                read = outcome.read
+                buffers[i].length = read.payload_bytes
+                self.o_direct_reads += outcome.direct
                 if key in self._index:
                     self._index.move_to_end(key)
+                    self._note_verified(key, outcome)
                 if prefix:
                     count += 1
-                    loaded_bytes += length
+                    loaded_bytes += read.payload_bytes
             else:
                 prefix = False
                 if isinstance(outcome, chunkfile.FileMissing):
@@ -382,23 +423,35 @@ class DiskTier(BaseTier):
                     log.warning("disk tier: reading %s failed: %s", key.to_string(), outcome)
         return count, loaded_bytes
 
+    def _note_verified(self, key: ChunkKey, loaded: _Loaded) -> None:
+        """Remember (or forget) ``key``'s file as verified after a read (Trio thread)."""
+        read = loaded.read
+        if not read.hashed:
+            self.trusted_reads += 1
+            return
+        self.verified_reads += 1
+        if chunkfile.may_trust(read.identity, loaded.started_ns + self.clock_offset_ns):
+            self._trusted[key] = read.identity
+        else:  # racy (too young to tell a later change by its timestamps): hash it next time
+            self._trusted.pop(key, None)
+
     def _read_chunk(
         self,
         path: str,
         key_bytes: bytes,
         slot: memoryview,
         check: Callable[[], None] | None = None,
-    ) -> tuple[int, bool]:
+        trusted: FileIdentity | None = None,
+    ) -> _Loaded:
         """Read and verify one chunk file into ``slot`` (runs in a worker thread); ``check``
-        runs between its pieces and raises to stop (see :func:`chunkfile.read_buffered`).
-
-        Returns:
-            ``(payload_bytes, read_with_o_direct)``.
+        runs between its pieces and raises to stop (see :func:`chunkfile.read_buffered`); the
+        checksum is skipped if the file's identity is still ``trusted``.
 
         Raises:
             chunkfile.FileMissing, chunkfile.FileCorrupt (after unlinking the file),
             chunkfile.TooLarge, OSError.
         """
+        started_ns = time.time_ns()
         try:
             if (
                 self.o_direct_active
@@ -406,10 +459,12 @@ class DiskTier(BaseTier):
                 and chunkfile.address(slot) % chunkfile.ALIGN == 0
             ):
                 try:
-                    return chunkfile.read_direct(path, key_bytes, slot, check), True
+                    read = chunkfile.read_direct(path, key_bytes, slot, check, trusted)
+                    return _Loaded(read, True, started_ns)
                 except chunkfile.DirectUnsupported:
                     self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
-            return chunkfile.read_buffered(path, key_bytes, slot, check), False
+            read = chunkfile.read_buffered(path, key_bytes, slot, check, trusted)
+            return _Loaded(read, False, started_ns)
         except FileNotFoundError:
             raise chunkfile.FileMissing(path) from None
         except chunkfile.FileCorrupt:
@@ -511,6 +566,7 @@ class DiskTier(BaseTier):
                 chunkfile.unlink_all, [final], limiter=self._write_limiter
             )
             return
+        self._trusted.pop(key, None)  # a new file: verified on its first read
         self._index[key] = size
         self._used_bytes += size
         self.stats.chunks_stored += 1

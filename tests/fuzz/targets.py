@@ -386,7 +386,7 @@ def check_chunk_file(data: bytes) -> None:
     slot = bytearray(CHUNK_SLOT_BYTES)
     key_bytes = CHUNK_KEY.to_string().encode()
     try:
-        n = chunkfile.read_buffered(str(path), key_bytes, memoryview(slot))
+        n = chunkfile.read_buffered(str(path), key_bytes, memoryview(slot)).payload_bytes
     except chunkfile.ChunkMiss:
         return
     head = chunkfile.HEADER.unpack_from(data, 0)
