@@ -487,6 +487,11 @@ class Engine:
                     self.counters["lookups_failed"] += 1
                     rec.release()
                     chunks = 0
+                if rec.state is not LookupState.LOADING:
+                    # Cancelled after its loads returned but before this task ran again: a
+                    # cancelled lookup answers 0 (on the way out, below) and holds nothing.
+                    rec.release()
+                    return
                 if rec.loaded:
                     rec.hold()  # before the answer: whoever the answer wakes finds it held
                 else:
@@ -671,8 +676,9 @@ class Engine:
     def _cancel_record(self, rec: _Lookup) -> None:
         if rec.state in (LookupState.LOADING, LookupState.HELD):
             self.counters["lookups_cancelled"] += 1
-        if rec.state is LookupState.HELD:
-            rec.release()  # at once, not when the task next runs
+        # HELD: released at once, not when the task next runs.  LOADING: DONE now, so that
+        # the task, whatever it has loaded by then, answers 0 and keeps nothing.
+        rec.release()
         if rec.has_task:
             rec.scope.cancel()
 
