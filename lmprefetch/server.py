@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import msgspec
 import trio
@@ -56,13 +57,34 @@ from .transport import (
     open_context,
 )
 
-__all__ = ["LookupServer", "serve_lookups"]
+__all__ = ["LookupServer", "ServerStatistics", "serve_lookups"]
 
 log = logging.getLogger("lmprefetch.server")
 
 _DRAIN_BATCH = 512
 
 FailureCallback = Callable[[BaseException], None]
+
+
+@dataclass(frozen=True)
+class ServerStatistics:
+    """What a lookup server received and sent."""
+
+    #: Decoded requests; those not stale (each gets exactly one answer); stale ones (older
+    #: than the running lookup of their id), dropped.
+    requests_received: int
+    requests_accepted: int
+    requests_stale: int
+    cleanups_received: int
+    #: Frames dropped as undecodable, plus requests answered 0 as nonsense.
+    messages_malformed: int
+    answers_sent: int
+    #: Answers that met the high-water mark, or came while the scheduler's answer endpoint
+    #: was not connected, and waited.
+    answers_waited: int
+    #: Answers left unsent at shutdown, and waiting to be sent now.
+    answers_dropped: int
+    answers_queued: int
 
 
 class LookupServer:
@@ -100,13 +122,12 @@ class LookupServer:
             0,
         )
 
+    def statistics(self) -> ServerStatistics:
+        """A snapshot of the server's counters (see :class:`ServerStatistics`)."""
+        return ServerStatistics(**self.counters, answers_queued=len(self._outbox))
+
     def stats(self) -> dict[str, int]:
-        """Counters: ``requests_received`` (decoded requests), ``requests_accepted`` (those
-        not stale: each gets exactly one answer), ``requests_stale``, ``cleanups_received``,
-        ``messages_malformed`` (frames dropped, plus requests answered 0 as nonsense),
-        ``answers_sent``, ``answers_waited`` (answers that met the high-water mark, or came
-        while the scheduler's answer endpoint was not connected, and waited),
-        ``answers_dropped`` (left unsent at shutdown) and ``answers_queued`` (now)."""
+        """:meth:`statistics` as a dict."""
         out = dict(self.counters)
         out["answers_queued"] = len(self._outbox)
         return out

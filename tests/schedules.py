@@ -70,8 +70,8 @@ from trio._core import _run as trio_run  # the scheduler's seed and determinism 
 
 from lmprefetch import PrefetchConfig, open_engine
 from lmprefetch.keys import ChunkKey
+from lmprefetch.lookup import LookupState, _Lookup
 from lmprefetch.memory import Buffer
-from lmprefetch.prefetch import LookupState
 from lmprefetch.tiers.base import BaseTier
 from lmprefetch.tiers.disk import DiskTier
 
@@ -308,7 +308,9 @@ class World:
         self.scopes: dict[str, trio.CancelScope] = {}
         self.payloads: dict[ChunkKey, bytes] = {}  # what was stored under each key
         self.pressure: list[Buffer] = []
-        self.transitions: set[tuple[str, str]] = set()
+        self.transitions: set[tuple[str, str, str]] = set()
+        self.by_record: dict[Any, Tracked] = {}
+        self._starting: Tracked | None = None
 
     # -- data ------------------------------------------------------------------------------
     def tokens(self, prompt: str) -> list[int]:
@@ -330,16 +332,14 @@ class World:
 
     # -- tracking lookups ------------------------------------------------------------------
     def install(self, engine: Any) -> None:
-        """Wrap ``start_lookup`` and ``cancel`` (instance attributes: the engine's own calls,
-        e.g. from ``lookup_and_prefetch`` and ``_close``, go through them too)."""
+        """Wrap ``start_lookup`` (an instance attribute: the engine's own calls, e.g. from
+        ``lookup_and_prefetch``, go through it too) and watch every record's transitions."""
         self.engine = engine
-        start, cancel = engine.start_lookup, engine.cancel
+        start = engine.start_lookup
+        engine._lookups.observer = self.observe
 
         def start_lookup(lookup_id: str, hashes: Sequence[int], offsets: Sequence[int], *,
                          on_answer: Callable[[int], None], **kw: Any) -> Any:  # fmt: skip
-            old = self.current.get(lookup_id)
-            if old is not None and engine.lookup_state(lookup_id) is not None:
-                self._cancelled(old, "id reused")
             t = Tracked(lookup_id, kw.get("seq", 0), kw.get("skip_chunks", 0), list(hashes))
             self.tracked.append(t)
             self.current[lookup_id] = t
@@ -350,21 +350,29 @@ class World:
                     t.held_at_answer = engine.lookup_state(lookup_id) is LookupState.HELD
                 on_answer(hit_tokens)
 
-            return start(lookup_id, hashes, offsets, on_answer=answered, **kw)
-
-        def cancel_wrapper(lookup_id: str, *, seq: int | None = None) -> None:
-            t = self.current.get(lookup_id)
-            before = engine.lookup_state(lookup_id)
-            cancel(lookup_id, seq=seq)
-            if t is not None and before is not None and engine.lookup_state(lookup_id) is None:
-                self._cancelled(t, "cancel")
+            self._starting = t
+            rec = start(lookup_id, hashes, offsets, on_answer=answered, **kw)
+            self._starting = None
+            return rec
 
         engine.start_lookup = start_lookup
-        engine.cancel = cancel_wrapper
 
-    def _cancelled(self, t: Tracked, how: str) -> None:
-        if not t.answers and t.cancelled_unanswered is None:
-            t.cancelled_unanswered = how
+    def observe(self, rec: Any, frm: LookupState | None, event: str, to: LookupState) -> None:
+        """Every transition of every record: in the state table, and a cancel while loading
+        noted (the lookup must then answer 0)."""
+        if (frm, event, to) not in STATE_TABLE:
+            name = "none" if frm is None else frm.name
+            self.violations.append(
+                f"{rec.lookup_id}: {name} -{event}-> {to.name} is not in the state table"
+            )
+        self.transitions.add((str(frm and frm.name), event, to.name))
+        if event == "start":
+            if self._starting is not None:
+                self.by_record[rec] = self._starting
+            return
+        t = self.by_record.get(rec)
+        if t is not None and event == "cancel" and frm is LookupState.LOADING:
+            t.cancelled_unanswered = "cancelled while loading"
 
     # -- claims ----------------------------------------------------------------------------
     def check_claim(self, t: Tracked | None, items: list[tuple[ChunkKey, Buffer]],
@@ -420,8 +428,18 @@ class World:
         for tier in self.engine.tiers:
             if tier.pinned_count():
                 self.violations.append(f"at quiescence: tier {tier.name} holds pins")
-        if s["lookups_failed"]:
+        lookups = self.engine.statistics().lookups
+        if lookups.failed:
             self.violations.append("a lookup failed (a bug in lmprefetch passed as a miss)")
+        if lookups.started != len(self.tracked):
+            self.violations.append(f"{lookups.started} lookups counted, {len(self.tracked)} made")
+        if lookups.hits + lookups.misses != lookups.started:
+            self.violations.append("answers counted do not add up to the lookups started")
+        for key, buf in self.engine.cpu._entries.items():
+            if buf.owners != 1:  # the cache's own reference, nobody else's
+                self.violations.append(
+                    f"at quiescence: cached chunk {key.chunk_hash:x} has {buf.owners} owners"
+                )
         outside = s["arena_used_bytes"] - s["cpu_resident_bytes"]
         if outside:
             self.violations.append(f"at quiescence: {outside} arena bytes outside the CPU tier")
@@ -429,6 +447,24 @@ class World:
     def check_closed(self, arena: Any) -> None:
         if arena.used_slots:
             self.violations.append(f"after close: {arena.used_slots} arena slots still in use")
+
+
+# -- the state table ---------------------------------------------------------------------------
+def parse_state_table(doc: str) -> frozenset[tuple[LookupState | None, str, LookupState]]:
+    """The ``(from, event, to)`` rows of the Markdown table in a record's docstring: the
+    first code span of the event cell is the event; ``(none)`` is "before the record"."""
+    rows = set()
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or cells[0] in ("from", "") or set(cells[0]) <= {"-"}:
+            continue
+        frm = None if cells[0] == "(none)" else LookupState[cells[0]]
+        event = cells[1].split("`")[1]
+        rows.add((frm, event, LookupState[cells[2]]))
+    return frozenset(rows)
+
+
+STATE_TABLE = parse_state_table(_Lookup.__doc__ or "")
 
 
 # -- scenarios -------------------------------------------------------------------------------

@@ -190,7 +190,7 @@ async def run_lookup(path: Lookup, steps: Steps, via: str) -> Outcome:
                 assert_conserved(engine)
             await engine.wait_quiet()
             assert_conserved(engine)
-            assert engine.stats()["lookups"] == 1
+            assert engine.stats()["lookups"]["started"] == 1
     assert engine.arena.used_slots == 0  # closed: every reference was released
     assert len(answers) == 1, answers  # exactly one answer per started lookup
     assert answers[0] in (0, expected)
@@ -198,7 +198,7 @@ async def run_lookup(path: Lookup, steps: Steps, via: str) -> Outcome:
         assert answers == [0]
     stats = engine.stats()
     # Counted once: a lookup cancelled before its answer is a miss, never also a hit.
-    assert stats["lookup_hits"] + stats["lookup_misses"] == 1
+    assert stats["lookups"]["hits"] + stats["lookups"]["misses"] == 1
     if returned:
         assert answers == returned
     return Outcome(returned, answers, steps.fired)
@@ -331,7 +331,7 @@ async def check_store(
     assert [cached(engine, k)[0] for k in in_cpu] == parts[: len(in_cpu)]
     if returned:
         assert returned == [len(data)] == [n_chunks]
-    assert engine.stats()["chunks_stored"] == n_chunks  # counted even when cancelled
+    assert engine.stats()["store"]["chunks_stored"] == n_chunks  # counted even when cancelled
     # Write-behind holds references on the cached buffers only: nothing else is held.
     assert_conserved(engine)
     for tier in engine.tiers:

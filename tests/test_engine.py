@@ -58,7 +58,7 @@ def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
     for tier in engine.tiers:
         assert tier.pinned_count() == 0, tier.name
     if not faults:
-        assert s["lookups_failed"] == 0, "a lookup failed: see the logged traceback"
+        assert s["lookups"]["failed"] == 0, "a lookup failed: see the logged traceback"
         for name, tier_stats in s["tiers"].items():
             assert tier_stats["errors"] == 0, f"tier {name} reported errors"
 
@@ -180,7 +180,7 @@ async def test_unclaimed_result_expires_after_ttl(
         await trio.sleep(4.9)
         assert engine.stats()["held_lookups"] == 1
         await trio.sleep(0.2)
-        assert engine.stats()["lookups_expired"] == 1
+        assert engine.stats()["lookups"]["expired"] == 1
         with engine.claim("e") as chunks:
             assert chunks == []
         assert_conserved(engine)
@@ -217,7 +217,7 @@ async def test_malformed_request_answers_zero_and_counts(small_config: PrefetchC
     async with engine_with(small_config) as engine:
         assert await engine.lookup_and_prefetch("bad", [1, 2, 3], [4, 4]) == 0
         assert await engine.lookup_and_prefetch("bad2", [1], [0]) == 0
-        assert engine.stats()["malformed_requests"] == 2
+        assert engine.stats()["lookups"]["malformed"] == 2
 
 
 async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> None:
@@ -229,7 +229,7 @@ async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> No
             "d", engine.hasher.hash(toks), offsets(2), deadline=past
         )
         assert got == 0
-        assert engine.stats()["deadline_expired"] == 1
+        assert engine.stats()["lookups"]["deadline_expired"] == 1
 
 
 async def test_layerwise_keys_per_layer_and_whole_chunks(small_config: PrefetchConfig) -> None:
@@ -271,7 +271,7 @@ async def test_store_when_everything_pinned_stores_what_fits(
         await engine.store(held, payloads(30))
         await engine.lookup_and_prefetch("hold", engine.hasher.hash(held), offsets(30))
         assert await engine.store(tokens(5, salt=2), payloads(5)) == 2
-        assert engine.stats()["store_rejected_chunks"] == 3
+        assert engine.stats()["store"]["rejected_chunks"] == 3
         engine.cancel("hold")
         await engine.wait_quiet()
         assert await engine.store(tokens(5, salt=2), payloads(5)) == 5  # evicts now
@@ -365,7 +365,7 @@ async def test_d05_failing_tier_answers_prefix_before_it_at_once(
             assert [bytes(b.view()) for _, b in chunks] == data[:2]
         await engine.wait_quiet()
         assert_conserved(engine, faults=True)
-        assert engine.stats()["lookups_failed"] == 0  # a tier's failure is not the engine's
+        assert engine.stats()["lookups"]["failed"] == 0  # a tier's failure is not the engine's
         broken.load_error = None
         broken.probe_error = RuntimeError("probe broke")
         assert await engine.lookup_and_prefetch("g", hashes, offsets(5)) == 8
@@ -394,7 +394,7 @@ async def test_d05_hanging_tier_is_bounded_by_tier_timeout(
         engine.cancel("h2")
         await engine.wait_quiet()
         assert_conserved(engine, faults=True)
-        assert engine.stats()["lookups_failed"] == 0
+        assert engine.stats()["lookups"]["failed"] == 0
         assert hung.stats.errors == 2
 
 
@@ -843,12 +843,12 @@ async def test_ranks_sharing_a_disk_path_never_index_or_evict_each_others_files(
         assert_conserved(engine)
 
 
-async def test_claimed_and_cancelled_cpu_hits_do_not_pile_up_in_the_expiry_heap(
+async def test_claimed_and_cancelled_results_do_not_pile_up_in_the_expiry_queue(
     small_config: PrefetchConfig,
 ) -> None:
-    """Full CPU hits are answered without a task and expire through one heap; results that
-    were claimed or cancelled leave it (lazily, amortised), so it follows what is held, not
-    the lookup rate times claim_ttl_s."""
+    """Every held result expires through one queue; results that were claimed or cancelled
+    leave it (lazily, amortised), so it follows what is held, not the lookup rate times
+    claim_ttl_s."""
     async with engine_with(small_config) as engine:
         toks = tokens(2)
         await engine.store(toks, payloads(2))
@@ -863,7 +863,7 @@ async def test_claimed_and_cancelled_cpu_hits_do_not_pile_up_in_the_expiry_heap(
                     assert len(chunks) == 2
             else:
                 engine.cancel(f"r{i}")
-        assert len(engine._expiries) < 2 * 1024 + len(kept)
+        assert len(engine._lookups._expiries) < 2 * 1024 + len(kept)
         assert engine.stats()["held_lookups"] == len(kept)
         for lookup_id in kept:
             with engine.claim(lookup_id) as chunks:

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
 
-from lmprefetch import prefetch
+from lmprefetch import lookup, prefetch
+from lmprefetch.lookup import LookupState
 
 from . import schedules
 from .schedules import Exploration, RunReport, Scenario
@@ -120,20 +121,102 @@ def _scenario(name: str, *disturbances: str) -> list[Scenario]:
 
 
 def test_bites_the_known_violation() -> None:
-    """The engine as it was: ``Engine.cancel`` of a LOADING lookup left its state alone, so a
-    lookup whose loads had returned answered a positive hit nobody could claim."""
-    original: Callable[..., None] = prefetch.Engine._cancel_record
+    """The engine as it was: ``Engine.cancel`` of a LOADING lookup forgot the record and
+    cancelled its task but left its state alone, so a lookup whose loads had returned held
+    and answered a positive hit that nobody could claim."""
+    real_cancel = lookup._Lookup.cancel
 
-    def old_cancel_record(self: prefetch.Engine, rec: prefetch._Lookup) -> None:
-        if rec.state in (prefetch.LookupState.LOADING, prefetch.LookupState.HELD):
-            self.counters["lookups_cancelled"] += 1
-        if rec.state is prefetch.LookupState.HELD:
-            rec.release()
-        if rec.has_task:
-            rec.scope.cancel()
+    def old_cancel(self: lookup._Lookup) -> None:
+        if self.state is LookupState.LOADING:
+            self._table.by_id.pop(self.lookup_id, None)
+            self._table.counters.cancelled += 1
+            if self.scope is not None:
+                self.scope.cancel()
+        else:
+            real_cancel(self)
 
-    assert original is not old_cancel_record
-    with _patched(prefetch.Engine, "_cancel_record", old_cancel_record):
+    with _patched(lookup._Lookup, "cancel", old_cancel):
         report = _find(_scenario("overlap_cpu_disk", "cancel_b"))
     assert report.disturbance == "cancel_b"
     assert any("nothing was held to claim" in v for v in report.violations), report.describe()
+
+
+def test_bites_a_missing_release_on_cancel() -> None:
+    """``cancel`` of a held result forgets its buffers instead of releasing them."""
+
+    def leaky_cancel(self: lookup._Lookup) -> None:
+        if self.state is LookupState.HELD:
+            self.loaded = []
+            self._move("cancel", LookupState.DONE)
+        elif self.state is LookupState.LOADING:
+            self._move("cancel", LookupState.CANCELLED)
+            if self.scope is not None:
+                self.scope.cancel()
+
+    with _patched(lookup._Lookup, "cancel", leaky_cancel):
+        report = _find(_scenario("cpu_hit_claim_expiry", "cancel_a"))
+    assert any("owners" in v for v in report.violations), report.describe()
+
+
+def test_bites_a_double_answer() -> None:
+    """A cancelled lookup answers when it is cancelled and again when its task ends."""
+    real_cancel = lookup._Lookup.cancel
+
+    def answering_cancel(self: lookup._Lookup) -> None:
+        loading = self.state is LookupState.LOADING
+        real_cancel(self)
+        if loading:
+            self._on_answer(0)
+
+    with _patched(lookup._Lookup, "cancel", answering_cancel):
+        report = _find(_scenario("remote_fails", "cancel_a"))
+    assert any("2 answers" in v for v in report.violations), report.describe()
+
+
+def test_bites_the_fast_path_skipping_expiry() -> None:
+    """A result held without a task is never queued for expiry: it is held forever (the run
+    cannot become quiet, which the explorer reports under the mock clock, at once)."""
+    real_hold = lookup._Lookups._hold
+
+    def hold(self: lookup._Lookups, rec: lookup._Lookup) -> None:
+        if rec.scope is not None:  # only lookups that ran in a task expire
+            real_hold(self, rec)
+
+    with _patched(lookup._Lookups, "_hold", hold):
+        report = _find(_scenario("cpu_hit_claim_expiry", "expire"), seeds=(0,))
+    assert any("TooSlowError" in v for v in report.violations), report.describe()
+
+
+def test_bites_a_transition_outside_the_table() -> None:
+    """An expiry that does not look at the state: a result claimed before its time is
+    "expired" too (CLAIMED → DONE, a transition the table does not have)."""
+
+    def expire(self: lookup._Lookup) -> None:
+        if self.state is not LookupState.DONE:
+            loaded, self.loaded = self.loaded, []
+            self._move("expire", LookupState.DONE)
+            lookup._release(loaded)
+
+    with _patched(lookup._Lookup, "expire", expire):
+        report = _find(_scenario("overlap_cpu_disk", "cancel_a"), seeds=(0,))
+    assert any("not in the state table" in v for v in report.violations), report.describe()
+
+
+def test_bites_a_pin_left_behind() -> None:
+    """A tier's load that ends without dropping the lookup's pins (cancelled part way)."""
+    real = prefetch._Pins.release
+
+    def release(self: prefetch._Pins) -> None:
+        if self.tier.name != "disk":
+            real(self)
+
+    with _patched(prefetch._Pins, "release", release):
+        report = _find(_scenario("overlap_cpu_disk", "cancel_a"), seeds=(0,))
+    assert any("pinned_chunks" in v for v in report.violations), report.describe()
+
+
+def test_the_state_table_is_the_docstrings() -> None:
+    """One table: the transitions the record's code allows are the rows of its docstring's
+    table, which the explorer checks every observed transition against."""
+    assert schedules.STATE_TABLE == lookup.TRANSITIONS
+    assert len(schedules.STATE_TABLE) == 8

@@ -36,7 +36,8 @@ import trio
 import xxhash
 
 from ..config import PrefetchConfig
-from ..prefetch import Engine, open_engine
+from ..prefetch import Engine
+from ..wiring import open_engine
 from .goals import Goal
 
 __all__ = ["CASES", "LMCACHE_GOALS", "main", "run"]
