@@ -38,7 +38,6 @@ import logging
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -215,8 +214,7 @@ class ChunkBlocks(msgspec.Struct, frozen=True, gc=False):
 
 
 # -- the tracker ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KVEventStatistics:
+class KVEventStatistics(msgspec.Struct, frozen=True, gc=False):
     """The events a tracker emitted (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``),
     dropped because ``kv_events_max_pending`` were waiting, and waiting now."""
 

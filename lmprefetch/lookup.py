@@ -19,9 +19,9 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+import msgspec
 import trio
 
 if TYPE_CHECKING:
@@ -75,8 +75,7 @@ TRANSITIONS: Final = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class LookupStatistics:
+class LookupStatistics(msgspec.Struct, frozen=True, gc=False):
     """The lookup counters of one engine (every count since it opened), and the lookups in
     flight and held now."""
 
@@ -337,15 +336,18 @@ class _Lookups:
             self.inflight -= 1
         if to is _HELD:
             self.held += 1
-        elif self.by_id.get(rec.lookup_id) is rec:
-            del self.by_id[rec.lookup_id]
-        counters = self.counters
-        if event == "cancel":
-            counters.cancelled += 1
-        elif event == "claim":
-            counters.claimed += 1
-        elif event == "expire":
-            counters.expired += 1
+        else:
+            by_id = self.by_id
+            if by_id.get(rec.lookup_id) is rec:
+                del by_id[rec.lookup_id]
+            if event != "end":
+                counters = self.counters
+                if event == "cancel":
+                    counters.cancelled += 1
+                elif event == "claim":
+                    counters.claimed += 1
+                else:
+                    counters.expired += 1
         if self.observer is not None:
             self.observer(rec, frm, event, to)
         if self._quiet is not None and not (self.inflight or self.held):

@@ -28,8 +28,9 @@ import ctypes.util
 import mmap
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 __all__ = ["Arena", "ArenaStatistics", "Buffer", "DoubleReleaseError"]
 
@@ -69,8 +70,7 @@ def _populate(address: int, nbytes: int, *, may_write: bool) -> None:
         ctypes.memset(address, 0, nbytes)
 
 
-@dataclass(frozen=True)
-class ArenaStatistics:
+class ArenaStatistics(msgspec.Struct, frozen=True, gc=False):
     """An arena's size and the slots in use now (by the CPU tier, lookups and claimers)."""
 
     slot_bytes: int

@@ -36,10 +36,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, fields
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import trio
 
 from .config import PrefetchConfig
@@ -71,8 +71,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass(frozen=True)
-class EngineStatistics:
+class EngineStatistics(msgspec.Struct, frozen=True, gc=False):
     """One engine's state and counters, each component's in its own value.
 
     :meth:`as_dict` is what :meth:`Engine.stats` returns."""
@@ -121,8 +120,7 @@ class EngineStatistics:
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
-    """A flat frozen dataclass as a dict (``dataclasses.asdict`` deep-copies; not needed)."""
-    return {f.name: getattr(value, f.name) for f in fields(value)}
+    return msgspec.structs.asdict(value)
 
 
 class _Pins:
@@ -281,17 +279,18 @@ class Engine:
             lookups.counters.deadline_expired += 1
             rec.end(0)
             return rec
-        cum = [0, *accumulate(offsets)]
         if skip_chunks == n_chunks:
-            rec.end(cum[n_chunks])
+            rec.end(sum(offsets))
             return rec
         held = self._hits_in_memory(hashes, skip_chunks)
         if held is not None:  # memory answers: no task
             if held:
-                rec.hold(held, cum[skip_chunks + len(held) // self._kpc])
+                hit = skip_chunks + len(held) // self._kpc
+                rec.hold(held, sum(offsets[:hit]))
             else:
-                rec.end(cum[skip_chunks])
+                rec.end(sum(offsets[:skip_chunks]) if skip_chunks else 0)
             return rec
+        cum = [0, *accumulate(offsets)]
         keys = self.keys.keys(hashes)
         self._nursery.start_soon(
             self._run_lookup, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline,

@@ -23,10 +23,10 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
-from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -59,8 +59,7 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return exc
 
 
-@dataclass(frozen=True)
-class WorkerStatistics:
+class WorkerStatistics(msgspec.Struct, frozen=True, gc=False):
     """A worker's statistics: its engine's, its lookup server's and its publisher's."""
 
     engine: EngineStatistics
@@ -69,7 +68,7 @@ class WorkerStatistics:
 
     def as_dict(self) -> dict[str, Any]:
         out = self.engine.as_dict()
-        out["server"] = None if self.server is None else asdict(self.server)
+        out["server"] = None if self.server is None else msgspec.structs.asdict(self.server)
         out["publisher"] = self.publisher
         return out
 

@@ -40,7 +40,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import msgspec
 import trio
@@ -66,8 +65,7 @@ _DRAIN_BATCH = 512
 FailureCallback = Callable[[BaseException], None]
 
 
-@dataclass(frozen=True)
-class ServerStatistics:
+class ServerStatistics(msgspec.Struct, frozen=True, gc=False):
     """What a lookup server received and sent."""
 
     #: Decoded requests; those not stale (each gets exactly one answer); stale ones (older

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
 from .config import PrefetchConfig
@@ -33,8 +33,7 @@ from .tiers.cpu import CpuTier
 __all__ = ["ChunkStore", "StoreStatistics"]
 
 
-@dataclass(frozen=True)
-class StoreStatistics:
+class StoreStatistics(msgspec.Struct, frozen=True, gc=False):
     """What the write path stored: chunks taken by the CPU tier (each queued for write-behind),
     and chunks left out because the CPU tier could not take them (everything pinned)."""
 

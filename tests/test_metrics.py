@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import TypeVar
 
+from msgspec.structs import replace
 from prometheus_client import generate_latest
 
 from lmprefetch.limiter import LimiterStatistics
@@ -22,23 +22,23 @@ T = TypeVar("T")
 
 
 def zeros(cls: type[T]) -> T:
-    """A statistics value of ``cls`` with every field 0."""
-    return cls(**{f.name: 0 for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    """A statistics value of ``cls`` (a frozen msgspec Struct) with every field 0."""
+    return cls(**dict.fromkeys(cls.__struct_fields__, 0))  # type: ignore[attr-defined]
 
 
 def fake_statistics() -> WorkerStatistics:
     tiers = (
-        ("cpu", dataclasses.replace(zeros(TierStatistics), bytes_loaded=100)),
-        ("disk", dataclasses.replace(zeros(TierStatistics), bytes_loaded=7)),
+        ("cpu", replace(zeros(TierStatistics), bytes_loaded=100)),
+        ("disk", replace(zeros(TierStatistics), bytes_loaded=7)),
     )
     engine = EngineStatistics(
         rank=3, world_size=4,
-        lookups=dataclasses.replace(zeros(LookupStatistics), inflight=2, hits=5, hit_tokens=40),
+        lookups=replace(zeros(LookupStatistics), inflight=2, hits=5, hit_tokens=40),
         store=zeros(StoreStatistics), limiter=zeros(LimiterStatistics),
         arena=zeros(ArenaStatistics), pinned_chunks=0, cpu_resident_bytes=0,
         cpu_resident_chunks=0, tiers=tiers, kv_events=None,
     )  # fmt: skip
-    server = dataclasses.replace(zeros(ServerStatistics), messages_malformed=3)
+    server = replace(zeros(ServerStatistics), messages_malformed=3)
     return WorkerStatistics(engine=engine, server=server, publisher=None)
 
 

@@ -141,7 +141,7 @@ async def _run(
     }
     from ..hashing import ChunkHasher
 
-    hasher = ChunkHasher(chunk_size, config.hash_algorithm)
+    hasher = ChunkHasher.from_config(config)
     prompts = [hasher.hash(_prompt(i, chunks, chunk_size)) for i in range(9)]
     await _store_prompts(config, prompts, payload)
     ours: dict[str, list[float]] = {case: [] for case, _ in CASES}

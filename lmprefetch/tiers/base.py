@@ -26,9 +26,9 @@ Rules every tier keeps:
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
+import msgspec
 import trio
 
 from ..keys import ChunkKey
@@ -45,8 +45,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class TierStatistics:
+class TierStatistics(msgspec.Struct, frozen=True, gc=False):
     """A snapshot of one tier's counters (see :class:`TierStats` for their meaning)."""
 
     probes: int
@@ -126,7 +125,7 @@ class TierStats:
         )
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self.statistics())
+        return msgspec.structs.asdict(self.statistics())
 
 
 @runtime_checkable
