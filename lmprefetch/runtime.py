@@ -21,10 +21,10 @@ import concurrent.futures
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import msgspec
 import trio
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from .metrics import MetricsServer, WorkerMetrics
 
 __all__ = ["WorkerRuntime", "WorkerStatistics"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("lmprefetch.runtime")
 
@@ -262,7 +264,13 @@ class WorkerRuntime:
         """The engine (touch it only from its own loop, e.g. through :meth:`call`)."""
         return self._running()[1]
 
-    def call(self, func: Any, *args: Any) -> Any:
+    @overload
+    def call(self, func: Callable[..., Awaitable[T]], *args: object) -> T: ...
+
+    @overload
+    def call(self, func: Callable[..., T], *args: object) -> T: ...
+
+    def call(self, func: Callable[..., Any], *args: object) -> Any:
         """Run ``func(*args)`` (sync or async) on the engine's loop and return its result."""
         portal, _ = self._running()
         return portal.call(func, *args)
