@@ -262,7 +262,7 @@ def test_docs_and_readme_point_only_inside_the_repository() -> None:
             assert resolved.exists(), f"{path.relative_to(ROOT)} links to missing {target}"
 
 
-# -- the lookup's state table -----------------------------------------------------------------------
+# -- the lookup's state table --------------------------------------------------------------------
 def test_the_state_table_is_rendered_from_the_record_and_the_diagram_matches_it() -> None:
     """The state table lives in one place, the docstring of the lookup's record: the pages
     render it (mkdocstrings) instead of keeping copies, and the cancellation page's diagram
