@@ -320,15 +320,29 @@ class World:
         return list(self.engine.hasher.hash(self.tokens(prompt)))
 
     def payload(self, chunk_hash: int) -> bytes:
+        """Chunk ``chunk_hash``'s payload: its own bytes, of its own length (a multiple of 4,
+        so that layerwise chunks split evenly)."""
         rng = random.Random(chunk_hash)
-        return rng.randbytes(CHUNK_BYTES // 2 + rng.randrange(CHUNK_BYTES // 2))
+        return rng.randbytes(4 * (CHUNK_BYTES // 8 + rng.randrange(CHUNK_BYTES // 8)))
 
     def payload_list(self, prompt: str) -> list[bytes]:
         return [self.payload(h) for h in self.hashes(prompt)]
 
+    def key_payloads(self, hashes: Sequence[int]) -> list[tuple[ChunkKey, bytes]]:
+        """Each key of ``hashes`` and the bytes stored under it (a layer's part of its
+        chunk's payload, in layerwise mode)."""
+        kpc = self.engine.config.keys_per_chunk
+        keys = self.engine.keys.keys(hashes)
+        out = []
+        for i, h in enumerate(hashes):
+            data = self.payload(h)
+            part = len(data) // kpc
+            for layer in range(kpc):
+                out.append((keys[i * kpc + layer], data[layer * part : (layer + 1) * part]))
+        return out
+
     def note_stored(self, hashes: Sequence[int]) -> None:
-        for key, h in zip(self.engine.keys.keys(hashes), hashes):
-            self.payloads[key] = self.payload(h)
+        self.payloads.update(self.key_payloads(hashes))
 
     # -- tracking lookups ------------------------------------------------------------------
     def install(self, engine: Any) -> None:
@@ -773,8 +787,7 @@ async def _main(w: World, stepper: Stepper) -> None:
                 for name, n in scenario.remote.items():
                     hashes = w.hashes(name)[:n]
                     w.note_stored(hashes)
-                    for key, h in zip(engine.keys.keys(hashes), hashes):
-                        w.remote.data[key] = w.payload(h)
+                    w.remote.data.update(w.key_payloads(hashes))
             stepper.armed = True
             try:
                 async with trio.open_nursery() as nursery:
@@ -933,6 +946,26 @@ def scenarios() -> list[Scenario]:
                 "caller_a": cancel_scope("a"),
                 "close": close_engine,
                 "replace_7": disk_file("R", 7, "replace"),
+            },
+        ),
+        Scenario(
+            "layerwise_skip",
+            prompts={"P": P, "Q": Q},
+            cpu={"P": 2},
+            disk={"P": 5},
+            config={"layerwise": True, "num_layers": 2},
+            operations={
+                "A": await_lookup("a", "P", scope="a", skip=1),
+                "B": start_lookup("b", "Q"),
+                "C": await_lookup("c", "P", scope="c"),
+            },
+            disturbances={
+                "cancel_a": cancel("a"),
+                "caller_c": cancel_scope("c"),
+                "reuse_b": reuse("b", "Q"),
+                "delete_3": disk_file("P", 3, "delete"),
+                "take_arena": take_arena,
+                "close": close_engine,
             },
         ),
         Scenario(
