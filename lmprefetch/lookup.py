@@ -200,8 +200,7 @@ class _Lookup:
 
     # -- transitions ------------------------------------------------------------------------
     def _move(self, event: str, to: LookupState) -> None:
-        frm = self.state
-        self.state = to
+        frm, self.state = self.state, to
         self._table._moved(self, frm, event, to)
 
     def run_in_task(self) -> trio.CancelScope:
@@ -228,7 +227,8 @@ class _Lookup:
         record owns nothing here; call it after the lookup's task released everything."""
         state = self.state
         if state is _LOADING:
-            self._move("end", _DONE)
+            self.state = _DONE  # as _move does, one call less on the path of every miss
+            self._table._moved(self, _LOADING, "end", _DONE)
             self._give_answer(hit_tokens)
         elif state is _CANCELLED:
             self._move("end", _DONE)
@@ -274,13 +274,20 @@ class _Lookup:
 
     def _give_answer(self, hit_tokens: int) -> None:
         self.answer = hit_tokens
-        table = self._table
+        counters = self._table.counters
         try:
             self._on_answer(hit_tokens)
         except Exception:  # a broken callback must not break the engine, but it is a bug
             log.exception("answer callback for lookup %s failed", self.lookup_id)
-            table.counters.failed += 1
-        table._answered(self, hit_tokens)
+            counters.failed += 1
+        if hit_tokens > 0:
+            counters.hits += 1
+            counters.hit_tokens += hit_tokens
+        else:
+            counters.misses += 1
+        hook = self._table.on_lookup_done
+        if hook is not None:
+            hook(hit_tokens, trio.current_time() - self.started)
 
 
 def _release(loaded: list[tuple[ChunkKey, Buffer]]) -> None:
@@ -291,7 +298,7 @@ def _release(loaded: list[tuple[ChunkKey, Buffer]]) -> None:
 class _Lookups:
     """The engine's lookups: the current record of each id, the count in each state, the
     expiry queue of held results, and the counters.  Only :class:`_Lookup` changes what is in
-    it (through ``_moved``, ``_hold`` and ``_answered``).
+    it (through ``_moved`` and ``_hold``) and its counters.
 
     Args:
         claim_ttl_s: how long a held result waits for its claim.
@@ -368,16 +375,6 @@ class _Lookups:
             kept = [entry for entry in queue if entry[1].state is _HELD]
             self._expiries = deque(kept)
             self._expiries_compact_at = max(_EXPIRIES_COMPACT_MIN, len(kept))
-
-    def _answered(self, rec: _Lookup, hit_tokens: int) -> None:
-        counters = self.counters
-        if hit_tokens > 0:
-            counters.hits += 1
-            counters.hit_tokens += hit_tokens
-        else:
-            counters.misses += 1
-        if self.on_lookup_done is not None:
-            self.on_lookup_done(hit_tokens, trio.current_time() - rec.started)
 
     # -- the engine's side --------------------------------------------------------------------
     def cancel_all(self) -> None:
