@@ -1,7 +1,7 @@
 """`WorkerRuntime`: the engine on its own Trio loop in a background thread, with a sync API.
 
 A serving engine's worker code is synchronous (a model step calls ``start_load_kv`` and expects
-it to return).  The runtime runs :func:`~lmprefetch.prefetch.open_engine` (and, given endpoints,
+it to return).  The runtime runs :func:`~lmprefetch.wiring.open_engine` (and, given endpoints,
 :func:`~lmprefetch.server.serve_lookups`) on a Trio loop in a thread started with anyio's
 ``BlockingPortal`` on the trio backend; each sync method marshals one call into that loop.
 

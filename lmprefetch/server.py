@@ -261,7 +261,7 @@ async def serve_lookups(
     """Serve lookups for ``engine`` until the block exits.
 
     Args:
-        engine: the rank's engine (from :func:`~lmprefetch.prefetch.open_engine`).
+        engine: the rank's engine (from :func:`~lmprefetch.wiring.open_engine`).
         request_endpoint: bound by this worker; the scheduler's client connects to it.
         response_endpoint: the scheduler's answer endpoint; this worker connects to it.
         hwm: socket high-water mark (default: the engine config's ``socket_hwm``).

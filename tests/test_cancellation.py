@@ -14,7 +14,11 @@ What must hold after each run is checked *before* anything else touches the engi
 * The caller was cancelled: nothing may be held, at once (a call that raised had no lasting
   effect).
 * The caller got an answer: it is 0 (and nothing is held) or the whole expected hit, which is
-  then claimed, its bytes checked, and nothing may be held after the claim.
+  then claimed, its bytes checked, and nothing may be held after the claim.  A hit that
+  ``Engine.cancel`` released after the answer claims nothing; no other hit may come up empty.
+* A lookup that ``Engine.cancel`` found before its answer answered 0, whatever it had loaded
+  (a cancelled LOADING lookup ends DONE), and is counted once, as a miss.
+* A positive answer was claimable when it was given: the lookup was HELD.
 * Every started lookup gave exactly one answer (the engine's ``on_lookup_done`` hook).
 * A cancelled ``store`` left a consistent cache: whole chunks with their exact bytes, a prefix
   of the call's chunks, write-behind queued for exactly those, and once flushed, exactly those
