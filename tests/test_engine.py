@@ -886,3 +886,34 @@ async def test_open_engine_prefaults_the_configured_part_of_the_arena(prefault_s
     )
     async with open_engine(config) as engine:
         assert _resident_bytes(engine.arena) == min(prefault_slots, 48) * slot
+
+
+async def test_wait_quiet_waits_for_every_held_result_with_or_without_a_task(
+    small_config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Nothing loading or held: a result answered from memory (no task) counts as much as one
+    a lookup task loaded; each ends the wait when it is claimed, cancelled or expires."""
+    disk = FakeTier("disk")
+    config = small_config.replace(claim_ttl_s=10.0)
+    async with engine_with(config, disk) as engine:
+        await engine.store(tokens(2), payloads(2))
+        in_cpu = engine.hasher.hash(tokens(2))
+        on_disk = await put_in(disk, engine, tokens(2, salt=1), payloads(2, salt=1))
+        assert await engine.lookup_and_prefetch("memory", in_cpu, offsets(2)) == 2 * CHUNK
+        with trio.move_on_after(1) as waited:
+            await engine.wait_quiet()
+        assert waited.cancelled_caught  # held without a task: not quiet
+        assert await engine.lookup_and_prefetch("task", on_disk, offsets(2)) == 2 * CHUNK
+        held_at = trio.current_time()
+        with trio.move_on_after(4) as waited:
+            await engine.wait_quiet()
+        assert waited.cancelled_caught  # both still held
+        with engine.claim("memory"):
+            pass
+        with trio.move_on_after(1) as waited:
+            await engine.wait_quiet()
+        assert waited.cancelled_caught  # "task" is still held
+        await engine.wait_quiet()  # until "task" expires
+        assert trio.current_time() == pytest.approx(held_at + 10.0)
+        assert engine.stats()["lookups"]["expired"] == 1
+        assert_conserved(engine)
