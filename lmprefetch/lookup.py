@@ -320,7 +320,9 @@ class _Lookups:
         self._expiries: deque[tuple[float, _Lookup]] = deque()
         self._expiries_compact_at = _EXPIRIES_COMPACT_MIN
         self._expiry_wakeup = trio.CancelScope()
-        self._quiet: trio.Event | None = None
+        # Where wait_quiet() waits: Trio's own parking lot, unparked when the last lookup
+        # loading or held moves on (a transition pays one truth test when nobody waits).
+        self._quiet = trio.lowlevel.ParkingLot()
 
     def start(self, lookup_id: str, seq: int, on_answer: AnswerCallback, started: float) -> _Lookup:
         """A new LOADING record, the current one of its id (cancel the old one first)."""
@@ -357,9 +359,8 @@ class _Lookups:
                     counters.expired += 1
         if self.observer is not None:
             self.observer(rec, frm, event, to)
-        if self._quiet is not None and not (self.inflight or self.held):
-            self._quiet.set()
-            self._quiet = None
+        if self._quiet and not (self.inflight or self.held):
+            self._quiet.unpark_all()
 
     def _hold(self, rec: _Lookup) -> None:
         """Queue a held result's expiry (``claim_ttl_s`` from now)."""
@@ -398,9 +399,8 @@ class _Lookups:
         if not (self.inflight or self.held):
             await trio.lowlevel.checkpoint()
             return
-        if self._quiet is None:
-            self._quiet = trio.Event()
-        await self._quiet.wait()
+        while self.inflight or self.held:
+            await self._quiet.park()
 
     def statistics(self) -> LookupStatistics:
         c = self.counters
