@@ -20,6 +20,9 @@
 * ``bench_serve`` — ``lmprefetch bench-serve``: TTFT on vLLM's OpenAI server (CPU build);
   ``nox -s bench_serve -- --quick`` for a short run (not part of ``ci``; the ``vllm`` session
   runs ``--quick`` as a test).
+* ``schedules`` — the schedule explorer's deep pass: every scenario under many seeds, every
+  disturbance after every task step (``nox -s schedules -- 200``: 200 seeds; not part of
+  ``ci``, which runs the quick pass with the suite).
 * ``mutants`` — mutation testing (mutmut) of the engine, limiter, arena, protocol and server;
   the score per module goes in docs/reliability.md (not part of ``ci``: about an hour here).
 * ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
@@ -254,6 +257,24 @@ def chaos(session: nox.Session) -> None:
     session.run(
         "python", "-m", "tests.chaos", "--report", "docs/reliability.md", *session.posargs
     )
+
+
+@nox.session(python="3.11")
+def schedules(session: nox.Session) -> None:
+    """The deep pass of the schedule explorer (``tests/schedules.py``): every scenario under
+    ``N`` seeds, with every disturbance after every task step (the default suite runs a quick
+    pass).  ``nox -s schedules -- 200`` for 200 seeds (default 30; the environment variable
+    ``LMPREFETCH_SCHEDULE_SEEDS`` also sets it)."""
+    session.install("-e", ".[test]")
+    seeds = next((a for a in session.posargs if a.isdigit()), None)
+    session.env["LMPREFETCH_SCHEDULE_SEEDS"] = (
+        seeds or os.environ.get("LMPREFETCH_SCHEDULE_SEEDS") or "30"
+    )
+    # One scenario runs for minutes: no faulthandler dump of a test that is merely long.
+    session.run(
+        "python", "-m", "pytest", "-q", "-s", "-o", "faulthandler_timeout=0",
+        "tests/test_schedules.py", "-k", "deep",
+    )  # fmt: skip
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")

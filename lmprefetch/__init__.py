@@ -16,9 +16,9 @@ from .limiter import WeightedCapacityLimiter as WeightedCapacityLimiter
 from .memory import Arena as Arena
 from .memory import Buffer as Buffer
 from .prefetch import Engine as Engine
-from .prefetch import open_engine as open_engine
 from .runtime import WorkerRuntime as WorkerRuntime
 from .server import serve_lookups as serve_lookups
+from .wiring import open_engine as open_engine
 
 __version__ = "0.1.0"
 

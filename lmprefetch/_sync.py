@@ -1,6 +1,6 @@
 """Typed wrappers for the trio-util primitives lmprefetch uses.
 
-trio-util (``AsyncValue``, ``RepeatedEvent``) is a well-kept library that covers the "wake the
+trio-util (``RepeatedEvent``) is a well-kept library that covers the "wake the
 task that waits for this state" bookkeeping which is easy to get wrong by hand with one-shot
 ``trio.Event`` objects (a new event per wait, a lost wake-up when it is replaced at the wrong
 moment).  It ships no type information, so the few methods used here get typed signatures;
@@ -12,13 +12,11 @@ Cancellation follows trio-util: every wait is a checkpoint, cancellable like any
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import trio_util
 
-__all__ = ["AsyncValue", "RepeatedEvent"]
-
-T = TypeVar("T")
+__all__ = ["RepeatedEvent"]
 
 
 class RepeatedEvent:
@@ -44,27 +42,3 @@ class RepeatedEvent:
         """Iterate once per (coalesced) :meth:`set`; see the class docstring."""
         it: AsyncIterator[None] = self._event.events(repeat_last=repeat_last)
         return it
-
-
-class AsyncValue(Generic[T]):
-    """A value tasks can wait on (``trio_util.AsyncValue``)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: T) -> None:
-        self._value: Any = trio_util.AsyncValue(value)
-
-    @property
-    def value(self) -> T:
-        v: T = self._value.value
-        return v
-
-    @value.setter
-    def value(self, new: T) -> None:
-        self._value.value = new
-
-    async def wait_value(self, predicate: Callable[[T], bool]) -> T:
-        """Wait until ``predicate(value)`` holds (at once if it holds now); returns the value
-        that satisfied it.  Always a checkpoint."""
-        v: T = await self._value.wait_value(predicate)
-        return v

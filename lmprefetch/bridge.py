@@ -19,7 +19,7 @@ and stored in :attr:`ResultTable.failure`, which makes every later ``lookup`` ra
 that does not decode can never kill it (it is counted as malformed).
 
 Cancellation does not apply here (no Trio): the bridge thread stops when the client posts
-``STOP`` (:meth:`LookupClient.close`, which joins it), or when the main thread has ended.
+:class:`Stop` (:meth:`LookupClient.close`, which joins it), or when the main thread has ended.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import msgspec
 import zmq
@@ -47,7 +47,16 @@ from .protocol import (
 )
 from .transport import close_context, make_pull, make_push, open_context, try_send
 
-__all__ = ["CLEANUP", "REQUEST", "STOP", "Bridge", "Entry", "ResultTable", "Waker"]
+__all__ = [
+    "Bridge",
+    "Cleanup",
+    "Command",
+    "Entry",
+    "Request",
+    "ResultTable",
+    "Stop",
+    "Waker",
+]
 
 logger = logging.getLogger("lmprefetch.client")
 
@@ -62,15 +71,41 @@ _ANSWER_BATCH: Final = 4_096
 #: without ``close`` (so the process can still exit).  Not on any hot path.
 _IDLE_CHECK_MS: Final = 500
 
-# Commands for the bridge thread.  Plain tuples: they are built on the scheduler's thread,
-# where every nanosecond counts.
-#   (REQUEST, lookup_id, seq, token_ids, n_tokens, skip_tokens, request_configs,
-#    hashes, offsets, deadline_ms, salt)
-#   (CLEANUP, lookup_id, seq)
-#   (STOP,)
-REQUEST: Final = 0
-CLEANUP: Final = 1
-STOP: Final = 2
+
+# Commands for the bridge thread.  They are built on the scheduler's thread, where every
+# nanosecond counts: frozen msgspec Structs cost about 0.1-0.2 µs to build (a NamedTuple about
+# 1 µs), a few percent of a submit (examples/bench_hot_path.py measures it).
+class Request(msgspec.Struct, frozen=True, gc=False):
+    """Send one lookup request to every worker (hashing the prompt first if needed)."""
+
+    lookup_id: str
+    seq: int
+    #: The prompt (read only up to ``n_tokens``); unused when ``hashes`` is given.
+    token_ids: Any
+    n_tokens: int
+    skip_tokens: int
+    request_configs: dict[str, str] | None
+    #: Precomputed chunk hashes and tokens per chunk, or ``None`` (hash ``token_ids``).
+    hashes: list[int] | None
+    offsets: list[int] | None
+    #: Absolute wall-clock deadline in milliseconds.
+    deadline_ms: int
+    #: The tenant's salt for hashing, or ``None``.
+    salt: bytes | None
+
+
+class Cleanup(msgspec.Struct, frozen=True, gc=False):
+    """Send a cleanup for ``lookup_id`` (``seq`` 0: whatever is held) to every worker."""
+
+    lookup_id: str
+    seq: int
+
+
+class Stop(msgspec.Struct, frozen=True, gc=False):
+    """Close the sockets and end the bridge thread."""
+
+
+Command: TypeAlias = Request | Cleanup | Stop
 
 
 class Entry:
@@ -160,7 +195,7 @@ class ResultTable:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         #: Callers append under the lock; only the bridge thread pops.
-        self.commands: deque[tuple[Any, ...]] = deque()
+        self.commands: deque[Command] = deque()
         #: True while a wake-up is written and not yet consumed: later commands need not pay
         #: for another ``write()`` (the bridge clears it before it drains the commands).
         self.wake_pending = False
@@ -186,7 +221,7 @@ class ResultTable:
             0,
         )
 
-    def post(self, command: tuple[Any, ...]) -> None:
+    def post(self, command: Command) -> None:
         """Queue a command for the bridge and wake it (call with :attr:`lock` held)."""
         self.commands.append(command)
         if not self.wake_pending:
@@ -224,9 +259,7 @@ class Bridge:
         #: The bound response endpoint (with the real port after binding ``tcp://…:0``).
         self.response_endpoint = response_endpoint
         self._chunk_size = config.chunk_size
-        self._hasher = ChunkHasher(
-            config.chunk_size, config.hash_algorithm, config.save_partial_chunks
-        )
+        self._hasher = ChunkHasher.from_config(config)
         self._next_anonymous_rank = -2
         self._startup_error: BaseException | None = None
         self.thread = threading.Thread(
@@ -322,16 +355,15 @@ class Bridge:
         commands = self._table.commands
         while commands:
             cmd = commands.popleft()
-            op = cmd[0]
-            if op == REQUEST:
+            if type(cmd) is Request:
                 self.send_request(cmd)
-            elif op == CLEANUP:
+            elif type(cmd) is Cleanup:
                 try:
-                    buf = encode(LookupCleanupMsg(cmd[1], seq=cmd[2]))
+                    buf = encode(LookupCleanupMsg(cmd.lookup_id, seq=cmd.seq))
                 except (ValueError, msgspec.EncodeError) as exc:
                     # An id msgpack cannot hold (a str that is not UTF-8): its request could
                     # not be encoded either, so no worker holds anything under it.
-                    logger.warning("cancel %r: nothing to clean up (%s)", cmd[1], exc)
+                    logger.warning("cancel %r: nothing to clean up (%s)", cmd.lookup_id, exc)
                     continue
                 self._send_to_all(buf)
             else:
@@ -339,28 +371,30 @@ class Bridge:
         return False
 
     # -- sending (the bridge thread, or a caller with precomputed hashes) ----------------
-    def send_request(self, cmd: tuple[Any, ...]) -> None:
+    def send_request(self, cmd: Request) -> None:
         """Hash (if needed), encode and push one request to every worker."""
-        (_, lookup_id, seq, token_ids, n_tokens, skip_tokens, configs, hashes, offsets,
-         deadline_ms, salt) = cmd  # fmt: skip
+        hashes, offsets = cmd.hashes, cmd.offsets
         try:
             if hashes is None:
+                n_tokens = cmd.n_tokens
+                token_ids = cmd.token_ids
                 if len(token_ids) != n_tokens:
                     token_ids = token_ids[:n_tokens]
-                hashes = self._hasher.hash(token_ids, salt)
+                hashes = self._hasher.hash(token_ids, cmd.salt)
                 offsets = self._hasher.offsets(n_tokens)
+            assert offsets is not None  # given with the hashes (the client checks)
             msg = LookupRequestMsg(
-                lookup_id,
+                cmd.lookup_id,
                 hashes,
                 offsets,
-                configs,
-                seq=seq,
-                deadline_ms=deadline_ms,
-                skip_chunks=min(skip_tokens // self._chunk_size, len(hashes)),
+                cmd.request_configs,
+                seq=cmd.seq,
+                deadline_ms=cmd.deadline_ms,
+                skip_chunks=min(cmd.skip_tokens // self._chunk_size, len(hashes)),
             )
             buf = encode(msg)
         except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
-            self._fail(lookup_id, seq, exc)
+            self._fail(cmd.lookup_id, cmd.seq, exc)
             return
         self._send_to_all(buf)
 
@@ -402,7 +436,7 @@ class Bridge:
                 break
             try:
                 msgs.append(decode_response(buf))
-            except Exception:  # DecodeError by contract; whatever the bytes, never fatal
+            except msgspec.DecodeError:  # whatever the bytes (the fuzz tests try them)
                 malformed += 1
         table = self._table
         with table.lock:

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from .bridge import CLEANUP, REQUEST, STOP, Bridge, Entry, ResultTable
+from .bridge import Bridge, Cleanup, Entry, Request, ResultTable, Stop
 from .config import PrefetchConfig
 from .transport import check_endpoint
 
@@ -181,7 +181,7 @@ class LookupClient:
             if seq:
                 table.remember_seq(lookup_id, seq)
             table.counters["cancels"] += 1
-            table.post((CLEANUP, lookup_id, seq))
+            table.post(Cleanup(lookup_id, seq))
             self._cond.notify_all()
 
     def forget(self, lookup_id: str) -> None:
@@ -278,7 +278,7 @@ class LookupClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._table.commands.append((STOP,))
+                self._table.commands.append(Stop())
                 self._table.waker.wake()
         self._bridge.thread.join()
         with self._lock:
@@ -334,18 +334,17 @@ class LookupClient:
             e.submitted_at = now
             self._entries[lookup_id] = e
             self._table.counters["submitted"] += 1
-            cmd = (
-                REQUEST,
-                lookup_id,
-                seq,
-                token_ids,
-                n_tokens,
-                skip_tokens,
-                request_configs,
-                hashes,
-                offsets,
-                deadline_ms,
-                salt,
+            cmd = Request(
+                lookup_id=lookup_id,
+                seq=seq,
+                token_ids=token_ids,
+                n_tokens=n_tokens,
+                skip_tokens=skip_tokens,
+                request_configs=request_configs,
+                hashes=hashes,
+                offsets=offsets,
+                deadline_ms=deadline_ms,
+                salt=salt,
             )
             if hashes is None:
                 self._table.post(cmd)
@@ -367,7 +366,7 @@ class LookupClient:
                 return 0
             self._table.counters["timeouts"] += 1
             answered = len(e.answers)
-            self._table.post((CLEANUP, lookup_id, e.seq))
+            self._table.post(Cleanup(lookup_id, e.seq))
         logger.warning(
             "lookup %r (seq %d): %d of %d workers answered within %.3g s; "
             "answering 0 and cancelling it on every worker",

@@ -58,6 +58,7 @@ __all__ = [
     "EventMode",
     "KVEvent",
     "KVEventBatch",
+    "KVEventStatistics",
     "KVEventTracker",
     "RankEventMerger",
     "decode_batch",
@@ -213,6 +214,17 @@ class ChunkBlocks(msgspec.Struct, frozen=True, gc=False):
 
 
 # -- the tracker ---------------------------------------------------------------------------
+class KVEventStatistics(msgspec.Struct, frozen=True, gc=False):
+    """The events a tracker emitted (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``),
+    dropped because ``kv_events_max_pending`` were waiting, and waiting now."""
+
+    stored: int
+    removed: int
+    cleared: int
+    dropped: int
+    pending: int
+
+
 class KVEventTracker:
     """Turns tier changes into events, exactly once per stored→removed transition.
 
@@ -233,7 +245,7 @@ class KVEventTracker:
         chunk_size: tokens per chunk (the ``block_size`` of chunks named by their hash).
         mode: ``"chunks"`` or ``"described"`` (see :data:`EventMode`).
         max_pending: events waiting for :meth:`take`; past it new events are dropped and
-            counted in ``counters["events_dropped"]`` (one warning).
+            counted (``statistics().dropped``; one warning).
         orphan_limit: descriptors kept for chunks that are on no tier (a write-behind may still
             land them); the oldest beyond it are forgotten.
     """
@@ -265,9 +277,7 @@ class KVEventTracker:
         self._blocks: dict[int, ChunkBlocks] = {}
         self._orphans: OrderedDict[int, None] = OrderedDict()
         self._warned = False
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("events_stored", "events_removed", "events_cleared", "events_dropped"), 0
-        )
+        self._stored = self._removed = self._cleared = self._dropped = 0
 
     # -- what tiers call (the Trio thread) ----------------------------------------------
     def stored(self, tier: str, key: ChunkKey) -> None:
@@ -303,7 +313,7 @@ class KVEventTracker:
         hashes = self._announced.pop(slot, None)
         if hashes is not None:
             medium, locality = tier_medium(tier)
-            self.counters["events_removed"] += 1
+            self._removed += 1
             self._emit(BlockRemoved(list(hashes), medium, locality=locality, ownership=OWNERSHIP))
         refs = self._refs[h] - 1
         if refs:
@@ -331,11 +341,8 @@ class KVEventTracker:
     def clear_all(self) -> None:
         """Emit ``AllBlocksCleared`` (and forget what was announced: nothing is now)."""
         self._announced.clear()
-        self.counters["events_cleared"] += 1
+        self._cleared += 1
         self._emit(AllBlocksCleared())
-
-    def is_announced(self, tier: str, chunk_hash: int) -> bool:
-        return (tier, chunk_hash) in self._announced
 
     # -- what consumers call (any thread) -------------------------------------------------
     def take(self, max_events: int | None = None) -> list[KVEvent]:
@@ -352,6 +359,15 @@ class KVEventTracker:
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+    def statistics(self) -> KVEventStatistics:
+        return KVEventStatistics(
+            stored=self._stored,
+            removed=self._removed,
+            cleared=self._cleared,
+            dropped=self._dropped,
+            pending=len(self._queue),
+        )
 
     # -- internals -----------------------------------------------------------------------
     def _is_mine(self, key: ChunkKey) -> bool:
@@ -377,7 +393,7 @@ class KVEventTracker:
             return
         medium, locality = tier_medium(tier)
         self._announced[slot] = blocks.block_hashes
-        self.counters["events_stored"] += 1
+        self._stored += 1
         self._emit(
             BlockStored(
                 list(blocks.block_hashes),
@@ -401,7 +417,7 @@ class KVEventTracker:
 
     def _emit(self, event: KVEvent) -> None:
         if len(self._queue) >= self._max_pending:
-            self.counters["events_dropped"] += 1
+            self._dropped += 1
             if not self._warned:
                 self._warned = True
                 log.warning(

@@ -28,7 +28,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from .config import HASH_ALGORITHMS
+from .config import HASH_ALGORITHMS, PrefetchConfig
 
 __all__ = ["ChunkHasher", "tenant_salt"]
 
@@ -58,6 +58,12 @@ class ChunkHasher:
         self.chunk_size = chunk_size
         self.algorithm = algorithm
         self.save_partial_chunks = save_partial_chunks
+
+    @classmethod
+    def from_config(cls, config: PrefetchConfig) -> ChunkHasher:
+        """The hasher ``config`` describes (``chunk_size``, ``hash_algorithm``,
+        ``save_partial_chunks``): what the scheduler side and every worker must agree on."""
+        return cls(config.chunk_size, config.hash_algorithm, config.save_partial_chunks)
 
     def num_chunks(self, num_tokens: int) -> int:
         """How many chunks (and hashes) ``num_tokens`` tokens make."""

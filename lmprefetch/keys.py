@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import quote, unquote
+
+if TYPE_CHECKING:
+    from .config import PrefetchConfig
 
 __all__ = ["ChunkKey", "KeyMaker"]
 
@@ -89,6 +92,19 @@ class KeyMaker:
         self.kv_dtype = kv_dtype
         self.layerwise = layerwise
         self.keys_per_chunk = num_layers if layerwise else 1
+
+    @classmethod
+    def from_config(cls, config: PrefetchConfig, *, rank: int = 0, world_size: int = 1) -> KeyMaker:
+        """Rank ``rank``'s key maker for ``config`` (``model_name``, ``kv_dtype``,
+        ``layerwise``, ``num_layers``)."""
+        return cls(
+            config.model_name,
+            world_size,
+            rank,
+            config.kv_dtype,
+            layerwise=config.layerwise,
+            num_layers=config.num_layers,
+        )
 
     def first_key(self, chunk_hash: int) -> ChunkKey:
         """The first key of one chunk (layer 0 in layerwise mode)."""

@@ -26,15 +26,14 @@ import itertools
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
+import msgspec
 import trio
 
 __all__ = ["LimiterStatistics", "WeightedCapacityLimiter"]
 
 
-@dataclass(frozen=True)
-class LimiterStatistics:
+class LimiterStatistics(msgspec.Struct, frozen=True, gc=False):
     total: int
     used: int
     tasks_waiting: int

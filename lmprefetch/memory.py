@@ -30,7 +30,9 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Arena", "Buffer", "DoubleReleaseError"]
+import msgspec
+
+__all__ = ["Arena", "ArenaStatistics", "Buffer", "DoubleReleaseError"]
 
 #: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+): fault pages in, writable, without touching
 #: their contents.  Python's ``mmap`` module has no name for it before 3.13.
@@ -68,6 +70,16 @@ def _populate(address: int, nbytes: int, *, may_write: bool) -> None:
         ctypes.memset(address, 0, nbytes)
 
 
+class ArenaStatistics(msgspec.Struct, frozen=True, gc=False):
+    """An arena's size and the slots in use now (by the CPU tier, lookups and claimers)."""
+
+    slot_bytes: int
+    total_slots: int
+    used_slots: int
+    total_bytes: int
+    used_bytes: int
+
+
 class DoubleReleaseError(RuntimeError):
     """A buffer was released more times than it was owned."""
 
@@ -98,7 +110,13 @@ class Buffer:
         return self._arena._view[start : start + self.capacity]
 
     def write(self, payload: Any) -> None:
-        """Copy ``payload`` (any bytes-like object) into the slot and set :attr:`length`."""
+        """Copy ``payload`` (any bytes-like object) into the slot and set :attr:`length`.
+
+        Raises:
+            DoubleReleaseError: the buffer was released (its slot may be someone else's).
+            ValueError: ``payload`` is longer than the slot.
+        """
+        self._check_live()
         src = memoryview(payload).cast("B")
         n = src.nbytes
         if n > self.capacity:
@@ -108,7 +126,13 @@ class Buffer:
         self.length = n
 
     def tensor(self) -> Any:
-        """The payload as a torch ``uint8`` tensor view (torch backend only)."""
+        """The payload as a torch ``uint8`` tensor view (torch backend only).
+
+        Raises:
+            DoubleReleaseError: the buffer was released.
+            RuntimeError: the arena is not a torch tensor.
+        """
+        self._check_live()
         tensor = self._arena._tensor
         if tensor is None:
             raise RuntimeError("Buffer.tensor() needs buffer_backend='torch'")
@@ -194,6 +218,7 @@ class Arena:
             f"<Arena {self.num_slots} slots x {self.slot_bytes} bytes, "
             f"{self.used_slots} used>"
         )
+
     def allocate(self) -> Buffer | None:
         """A buffer with one owner, or ``None`` if every slot is in use (never waits)."""
         with self._lock:
@@ -253,6 +278,16 @@ class Arena:
                 if buf._owners == 0:
                     buf.length = 0
                     free.append(buf)
+
+    def statistics(self) -> ArenaStatistics:
+        used = self.num_slots - len(self._free)
+        return ArenaStatistics(
+            slot_bytes=self.slot_bytes,
+            total_slots=self.num_slots,
+            used_slots=used,
+            total_bytes=self.slot_bytes * self.num_slots,
+            used_bytes=used * self.slot_bytes,
+        )
 
     @property
     def total_bytes(self) -> int:

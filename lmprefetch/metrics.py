@@ -1,23 +1,29 @@
 """Prometheus metrics for a worker (prometheus-client).
 
-Gauges and counters are read from the engine's own :meth:`~lmprefetch.prefetch.Engine.stats`
-at scrape time, so they can never drift from what the engine knows (LMCache's async path
-reported zeros, D18).  Lookup latency is a histogram fed by the engine after every answer.
-Each worker gets its own :class:`~prometheus_client.CollectorRegistry`, so several engines in
-one process (tests, benchmarks) do not collide.
+Gauges and counters are read from the worker's own statistics
+(:meth:`~lmprefetch.runtime.WorkerRuntime.statistics`) at scrape time, so they can never drift
+from what the engine knows (LMCache's async path reported zeros, D18).  Lookup latency is a
+histogram fed by the engine after every answer.  Each worker gets its own
+:class:`~prometheus_client.CollectorRegistry`, so several engines in one process (tests,
+benchmarks) do not collide.
 
 The HTTP server runs in prometheus-client's own thread; a scrape reads the engine's stats
-through :meth:`WorkerRuntime.stats`, so it never touches engine state from another thread.
+through :meth:`WorkerRuntime.statistics`, so it never touches engine state from another
+thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .prefetch import Engine
+    from .runtime import WorkerRuntime, WorkerStatistics
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -51,24 +57,29 @@ LATENCY_BUCKETS_S = (
 #: The labels every family carries.
 RANK_LABELS = ["rank", "world_size"]
 
-_GAUGES = {
-    "inflight_lookups": "Lookups probing or loading now",
-    "held_lookups": "Answered lookups holding buffers for a claim",
-    "pinned_chunks": "Pins held on all tiers",
-    "limiter_used": "Prefetch limiter weight in use (chunks)",
-    "limiter_total": "Prefetch limiter capacity (chunks)",
-    "limiter_waiting": "Loads waiting for the prefetch limiter",
-    "arena_total_bytes": "Host-memory arena size",
-    "arena_used_bytes": "Host-memory arena bytes in use",
-    "cpu_resident_bytes": "Arena bytes held by the CPU tier",
-}
+def _gauges(s: WorkerStatistics) -> dict[str, tuple[float, str]]:
+    e = s.engine
+    return {
+        "inflight_lookups": (e.lookups.inflight, "Lookups probing or loading now"),
+        "held_lookups": (e.lookups.held, "Answered lookups holding buffers for a claim"),
+        "pinned_chunks": (e.pinned_chunks, "Pins held on all tiers"),
+        "limiter_used": (e.limiter.used, "Prefetch limiter weight in use (chunks)"),
+        "limiter_total": (e.limiter.total, "Prefetch limiter capacity (chunks)"),
+        "limiter_waiting": (e.limiter.tasks_waiting, "Loads waiting for the prefetch limiter"),
+        "arena_total_bytes": (e.arena.total_bytes, "Host-memory arena size"),
+        "arena_used_bytes": (e.arena.used_bytes, "Host-memory arena bytes in use"),
+        "cpu_resident_bytes": (e.cpu_resident_bytes, "Arena bytes held by the CPU tier"),
+    }
+
+
+#: ``lmprefetch_lookups{result=…}``: the label and the field of :class:`LookupStatistics`.
 _LOOKUP_RESULTS = {
-    "hit": "lookup_hits",
-    "miss": "lookup_misses",
-    "claimed": "lookups_claimed",
-    "cancelled": "lookups_cancelled",
-    "expired": "lookups_expired",
-    "failed": "lookups_failed",
+    "hit": "hits",
+    "miss": "misses",
+    "claimed": "claimed",
+    "cancelled": "cancelled",
+    "expired": "expired",
+    "failed": "failed",
 }
 _TIER_COUNTERS = {
     "bytes_loaded": ("lmprefetch_tier_loaded_bytes", "Bytes prefetched from a tier"),
@@ -78,6 +89,8 @@ _TIER_COUNTERS = {
     "writes_dropped": ("lmprefetch_tier_writes_dropped", "Write-behind chunks dropped"),
     "evictions": ("lmprefetch_tier_evictions", "Entries evicted from a tier"),
 }
+#: ``lmprefetch_messages_dropped{reason=…}``: the field of :class:`ServerStatistics`, and
+#: the label.
 _MESSAGE_COUNTERS = {
     "messages_malformed": "malformed",
     "requests_stale": "stale",
@@ -86,43 +99,42 @@ _MESSAGE_COUNTERS = {
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]], rank: str, world_size: str) -> None:
-        self._stats = stats
+    def __init__(self, statistics: Callable[[], WorkerStatistics], rank: str, world_size: str):
+        self._statistics = statistics
         self._ident = [rank, world_size]
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        s = self._statistics()
         ident = self._ident
-        for key, doc in _GAUGES.items():
+        for key, (value, doc) in _gauges(s).items():
             gauge = GaugeMetricFamily(f"lmprefetch_{key}", doc, labels=RANK_LABELS)
-            gauge.add_metric(ident, s.get(key, 0))
+            gauge.add_metric(ident, value)
             yield gauge
         lookups = CounterMetricFamily(
             "lmprefetch_lookups",
             "Lookups by result (async path included)",
             labels=[*RANK_LABELS, "result"],
         )
-        for label, key in _LOOKUP_RESULTS.items():
-            lookups.add_metric([*ident, label], s.get(key, 0))
+        for label, name in _LOOKUP_RESULTS.items():
+            lookups.add_metric([*ident, label], getattr(s.engine.lookups, name))
         yield lookups
         hit_tokens = CounterMetricFamily(
             "lmprefetch_hit_tokens", "Tokens answered as cached", labels=RANK_LABELS
         )
-        hit_tokens.add_metric(ident, s.get("hit_tokens", 0))
+        hit_tokens.add_metric(ident, s.engine.lookups.hit_tokens)
         yield hit_tokens
-        tiers: dict[str, dict[str, int]] = s.get("tiers", {})
-        for key, (name, doc) in _TIER_COUNTERS.items():
-            family = CounterMetricFamily(name, doc, labels=[*RANK_LABELS, "tier"])
-            for tier, counters in tiers.items():
-                family.add_metric([*ident, tier], counters.get(key, 0))
+        for name, (family_name, doc) in _TIER_COUNTERS.items():
+            family = CounterMetricFamily(family_name, doc, labels=[*RANK_LABELS, "tier"])
+            for tier, counters in s.engine.tiers:
+                family.add_metric([*ident, tier], getattr(counters, name))
             yield family
         dropped = CounterMetricFamily(
             "lmprefetch_messages_dropped",
             "Wire messages counted and dropped",
             labels=[*RANK_LABELS, "reason"],
         )
-        for key, label in _MESSAGE_COUNTERS.items():
-            dropped.add_metric([*ident, label], s.get(key, 0))
+        for name, label in _MESSAGE_COUNTERS.items():
+            dropped.add_metric([*ident, label], getattr(s.server, name) if s.server else 0)
         yield dropped
 
 
@@ -133,13 +145,14 @@ class WorkerMetrics:
     every rank of a deployment and tell them apart (and sum or take the minimum over them).
 
     Args:
-        stats: returns the engine's stats dict (thread-safe: called from the scrape thread).
+        statistics: returns the worker's statistics (thread-safe: called from the scrape
+            thread; :meth:`WorkerRuntime.statistics <lmprefetch.runtime.WorkerRuntime.statistics>`).
         rank: this worker's rank.
         world_size: the number of ranks.
     """
 
     def __init__(
-        self, stats: Callable[[], dict[str, Any]], *, rank: int = 0, world_size: int = 1
+        self, statistics: Callable[[], WorkerStatistics], *, rank: int = 0, world_size: int = 1
     ) -> None:
         self.registry = CollectorRegistry()
         self.latency = Histogram(
@@ -149,7 +162,7 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         ).labels(str(rank), str(world_size))
-        self.registry.register(_StatsCollector(stats, str(rank), str(world_size)))
+        self.registry.register(_StatsCollector(statistics, str(rank), str(world_size)))
 
     def observe(self, hit_tokens: int, seconds: float) -> None:
         """The engine's ``on_lookup_done`` hook."""
@@ -173,11 +186,13 @@ class MetricsServer:
             http.server_close()
 
 
-def start_metrics_server(runtime: Any, port: int, addr: str = "127.0.0.1") -> MetricsServer:
+def start_metrics_server(
+    runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1"
+) -> MetricsServer:
     """Serve ``runtime``'s metrics over HTTP on ``addr:port`` (0 = any free port).
 
     Args:
-        runtime: a :class:`~lmprefetch.runtime.WorkerRuntime` (its ``stats`` and ``call``).
+        runtime: the worker (its ``statistics`` and ``call``).
         port: the TCP port, 0 … 65535.
         addr: the address to bind (loopback by default).
 
@@ -188,11 +203,11 @@ def start_metrics_server(runtime: Any, port: int, addr: str = "127.0.0.1") -> Me
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"metrics port: must be 0 … 65535, got {port!r}")
     engine = runtime.engine
-    metrics = WorkerMetrics(runtime.stats, rank=engine.rank, world_size=engine.world_size)
+    metrics = WorkerMetrics(runtime.statistics, rank=engine.rank, world_size=engine.world_size)
     runtime.call(_install_hook, engine, metrics)
     http, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
     return MetricsServer(metrics, http)
 
 
-def _install_hook(engine: Any, metrics: WorkerMetrics) -> None:
+def _install_hook(engine: Engine, metrics: WorkerMetrics) -> None:
     engine.on_lookup_done = metrics.observe

@@ -1,7 +1,7 @@
 """`WorkerRuntime`: the engine on its own Trio loop in a background thread, with a sync API.
 
 A serving engine's worker code is synchronous (a model step calls ``start_load_kv`` and expects
-it to return).  The runtime runs :func:`~lmprefetch.prefetch.open_engine` (and, given endpoints,
+it to return).  The runtime runs :func:`~lmprefetch.wiring.open_engine` (and, given endpoints,
 :func:`~lmprefetch.server.serve_lookups`) on a Trio loop in a thread started with anyio's
 ``BlockingPortal`` on the trio backend; each sync method marshals one call into that loop.
 
@@ -21,11 +21,12 @@ import concurrent.futures
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+import msgspec
 import trio
 from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -34,17 +35,20 @@ from .config import PrefetchConfig
 from .events import ChunkBlocks, EventMode, KVEvent
 from .keys import ChunkKey
 from .memory import Buffer
-from .prefetch import Engine, open_engine
+from .prefetch import Engine, EngineStatistics
 from .publisher import KVEventPublisher, publish_kv_events
-from .server import LookupServer, serve_lookups
+from .server import LookupServer, ServerStatistics, serve_lookups
+from .wiring import open_engine
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
     from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
-    from .metrics import MetricsServer
+    from .metrics import MetricsServer, WorkerMetrics
 
-__all__ = ["WorkerRuntime"]
+__all__ = ["WorkerRuntime", "WorkerStatistics"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("lmprefetch.runtime")
 
@@ -55,6 +59,20 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+class WorkerStatistics(msgspec.Struct, frozen=True, gc=False):
+    """A worker's statistics: its engine's, its lookup server's and its publisher's."""
+
+    engine: EngineStatistics
+    server: ServerStatistics | None
+    publisher: dict[str, int] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = self.engine.as_dict()
+        out["server"] = None if self.server is None else msgspec.structs.asdict(self.server)
+        out["publisher"] = self.publisher
+        return out
 
 
 class WorkerRuntime:
@@ -84,7 +102,7 @@ class WorkerRuntime:
         #: Why the engine or the lookup server stopped on its own, if it did.
         self.failure: BaseException | None = None
         self.config: PrefetchConfig | None = None
-        self.metrics: Any = None  # WorkerMetrics, when serving metrics
+        self.metrics: WorkerMetrics | None = None  #: when serving metrics
         self.metrics_port: int | None = None
         self._metrics_server: MetricsServer | None = None
 
@@ -253,7 +271,13 @@ class WorkerRuntime:
         """The engine (touch it only from its own loop, e.g. through :meth:`call`)."""
         return self._running()[1]
 
-    def call(self, func: Any, *args: Any) -> Any:
+    @overload
+    def call(self, func: Callable[..., Awaitable[T]], *args: object) -> T: ...
+
+    @overload
+    def call(self, func: Callable[..., T], *args: object) -> T: ...
+
+    def call(self, func: Callable[..., Any], *args: object) -> Any:
         """Run ``func(*args)`` (sync or async) on the engine's loop and return its result."""
         portal, _ = self._running()
         return portal.call(func, *args)
@@ -366,15 +390,27 @@ class WorkerRuntime:
         portal, engine = self._running()
         portal.call(engine.cancel, lookup_id)
 
+    def statistics(self) -> WorkerStatistics:
+        """A snapshot of the engine's state and counters, the lookup server's (when serving)
+        and the KV-event publisher's (when publishing), taken on the runtime's loop."""
+        portal, _ = self._running()
+        return portal.call(self._statistics)
+
+    def _statistics(self) -> WorkerStatistics:
+        assert self._engine is not None
+        server, publisher = self._server, self.publisher
+        return WorkerStatistics(
+            engine=self._engine.statistics(),
+            server=None if server is None else server.statistics(),
+            publisher=None if publisher is None else publisher.stats(),
+        )
+
     def stats(self) -> dict[str, Any]:
-        """The engine's stats (and the server's, when serving)."""
-        portal, engine = self._running()
-        out: dict[str, Any] = portal.call(engine.stats)
-        if self._server is not None:
-            out.update(portal.call(self._server.stats))
-        if self.publisher is not None:
-            out.update(portal.call(self.publisher.stats))
-        return out
+        """:meth:`statistics` as a dict: the engine's (see
+        :meth:`~lmprefetch.prefetch.EngineStatistics.as_dict`), with the server's counters
+        under ``"server"`` and the publisher's under ``"publisher"`` (``None`` when not
+        serving or publishing)."""
+        return self.statistics().as_dict()
 
     def is_idle(self) -> bool:
         portal, engine = self._running()

@@ -56,13 +56,33 @@ from .transport import (
     open_context,
 )
 
-__all__ = ["LookupServer", "serve_lookups"]
+__all__ = ["LookupServer", "ServerStatistics", "serve_lookups"]
 
 log = logging.getLogger("lmprefetch.server")
 
 _DRAIN_BATCH = 512
 
 FailureCallback = Callable[[BaseException], None]
+
+
+class ServerStatistics(msgspec.Struct, frozen=True, gc=False):
+    """What a lookup server received and sent."""
+
+    #: Decoded requests; those not stale (each gets exactly one answer); stale ones (older
+    #: than the running lookup of their id), dropped.
+    requests_received: int
+    requests_accepted: int
+    requests_stale: int
+    cleanups_received: int
+    #: Frames dropped as undecodable, plus requests answered 0 as nonsense.
+    messages_malformed: int
+    answers_sent: int
+    #: Answers that met the high-water mark, or came while the scheduler's answer endpoint
+    #: was not connected, and waited.
+    answers_waited: int
+    #: Answers left unsent at shutdown, and waiting to be sent now.
+    answers_dropped: int
+    answers_queued: int
 
 
 class LookupServer:
@@ -100,13 +120,12 @@ class LookupServer:
             0,
         )
 
+    def statistics(self) -> ServerStatistics:
+        """A snapshot of the server's counters (see :class:`ServerStatistics`)."""
+        return ServerStatistics(**self.counters, answers_queued=len(self._outbox))
+
     def stats(self) -> dict[str, int]:
-        """Counters: ``requests_received`` (decoded requests), ``requests_accepted`` (those
-        not stale: each gets exactly one answer), ``requests_stale``, ``cleanups_received``,
-        ``messages_malformed`` (frames dropped, plus requests answered 0 as nonsense),
-        ``answers_sent``, ``answers_waited`` (answers that met the high-water mark, or came
-        while the scheduler's answer endpoint was not connected, and waited),
-        ``answers_dropped`` (left unsent at shutdown) and ``answers_queued`` (now)."""
+        """:meth:`statistics` as a dict."""
         out = dict(self.counters)
         out["answers_queued"] = len(self._outbox)
         return out
@@ -242,7 +261,7 @@ async def serve_lookups(
     """Serve lookups for ``engine`` until the block exits.
 
     Args:
-        engine: the rank's engine (from :func:`~lmprefetch.prefetch.open_engine`).
+        engine: the rank's engine (from :func:`~lmprefetch.wiring.open_engine`).
         request_endpoint: bound by this worker; the scheduler's client connects to it.
         response_endpoint: the scheduler's answer endpoint; this worker connects to it.
         hwm: socket high-water mark (default: the engine config's ``socket_hwm``).

@@ -249,7 +249,7 @@ def _worker_main(
 
     def held_now() -> list[tuple[str, int, str]]:
         """The lookups the engine still tracks (a diagnostic for a failed end check)."""
-        records = list(getattr(engine, "_lookups", {}).values())
+        records = list(engine._lookups.by_id.values())
         return [(r.lookup_id, r.seq, r.state.name) for r in records]
 
     def claim(lookup_id: str) -> list[tuple[int, int, int]]:
@@ -863,32 +863,39 @@ class Harness:
     def check_live(self, rank: int, s: dict[str, Any], *, final: bool) -> None:
         where = f"rank {rank}" + (" at the end" if final else "")
         problems = []
-        if s["answers_sent"] > s["requests_accepted"]:
+        server, lookups = s["server"], s["lookups"]
+        if server["answers_sent"] > server["requests_accepted"]:
             problems.append("more answers sent than requests accepted")
-        for name in ("lookups_failed", "lookups_expired", "messages_malformed", "answers_dropped"):
-            if s[name]:
-                problems.append(f"{name} = {s[name]}")
+        for name, value in (
+            ("lookups failed", lookups["failed"]),
+            ("lookups expired", lookups["expired"]),
+            ("messages malformed", server["messages_malformed"]),
+            ("answers dropped", server["answers_dropped"]),
+        ):
+            if value:
+                problems.append(f"{name} = {value}")
         if s["runtime_failures"]:
             problems.append(f"runtime failed: {s['runtime_failures']}")
         if s["log_errors"]:
             problems.append(f"errors logged: {s['log_errors']}")
-        if not 0 <= s["limiter_used"] <= s["limiter_total"]:
-            problems.append(f"limiter {s['limiter_used']} of {s['limiter_total']}")
+        if not 0 <= s["limiter_used"] <= s["limiter"]["total"]:
+            problems.append(f"limiter {s['limiter_used']} of {s['limiter']['total']}")
         if s["arena_used_bytes"] < s["cpu_resident_bytes"]:
             problems.append("arena bytes below the CPU tier's")
         if final:
-            for name in ("inflight_lookups", "held_lookups", "pinned_chunks", "limiter_used",
-                         "answers_queued"):
+            for name in ("inflight_lookups", "held_lookups", "pinned_chunks", "limiter_used"):
                 if s[name]:
                     problems.append(f"{name} = {s[name]}")
+            if server["answers_queued"]:
+                problems.append(f"answers_queued = {server['answers_queued']}")
             if s["arena_used_bytes"] != s["cpu_resident_bytes"]:
                 problems.append(
                     f"arena {s['arena_used_bytes']} B != CPU tier {s['cpu_resident_bytes']} B"
                 )
-            if s["answers_sent"] != s["requests_accepted"]:
+            if server["answers_sent"] != server["requests_accepted"]:
                 problems.append(
-                    f"answers_sent {s['answers_sent']} != requests_accepted "
-                    f"{s['requests_accepted']}"
+                    f"answers_sent {server['answers_sent']} != requests_accepted "
+                    f"{server['requests_accepted']}"
                 )
         for p in problems:
             self.violation(f"{where}: {p}")
@@ -1253,7 +1260,7 @@ class Harness:
             s = w.ask("stats")
             self.final[w.rank] = s
             self.check_live(w.rank, s, final=True)
-            if s["held_lookups"] or s["inflight_lookups"] or s["lookups_expired"]:
+            if s["held_lookups"] or s["inflight_lookups"] or s["lookups"]["expired"]:
                 self.violation(f"rank {w.rank}: lookups still tracked: {w.ask('held')}")
 
     # -- figures ------------------------------------------------------------------------
@@ -1292,9 +1299,9 @@ class Harness:
             disk = s.get("tiers", {}).get("disk", {})
             workers[w.rank] = {
                 "restarts": w.generation - 1,
-                "requests_accepted": s.get("requests_accepted"),
-                "answers_sent": s.get("answers_sent"),
-                "deadline_expired": s.get("deadline_expired"),
+                "requests_accepted": s.get("server", {}).get("requests_accepted"),
+                "answers_sent": s.get("server", {}).get("answers_sent"),
+                "deadline_expired": s.get("lookups", {}).get("deadline_expired"),
                 "disk_errors": disk.get("errors"),
                 "disk_writes_dropped": disk.get("writes_dropped"),
                 "corrupt_files_removed": s.get("corrupt_files_removed"),

@@ -59,7 +59,7 @@ def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
     for tier in engine.tiers:
         assert tier.pinned_count() == 0, tier.name
     if not faults:
-        assert s["lookups_failed"] == 0, "a lookup failed: see the logged traceback"
+        assert s["lookups"]["failed"] == 0, "a lookup failed: see the logged traceback"
         for name, tier_stats in s["tiers"].items():
             assert tier_stats["errors"] == 0, f"tier {name} reported errors"
 

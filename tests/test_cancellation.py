@@ -14,7 +14,11 @@ What must hold after each run is checked *before* anything else touches the engi
 * The caller was cancelled: nothing may be held, at once (a call that raised had no lasting
   effect).
 * The caller got an answer: it is 0 (and nothing is held) or the whole expected hit, which is
-  then claimed, its bytes checked, and nothing may be held after the claim.
+  then claimed, its bytes checked, and nothing may be held after the claim.  A hit that
+  ``Engine.cancel`` released after the answer claims nothing; no other hit may come up empty.
+* A lookup that ``Engine.cancel`` found before its answer answered 0, whatever it had loaded
+  (a cancelled LOADING lookup ends DONE), and is counted once, as a miss.
+* A positive answer was claimable when it was given: the lookup was HELD.
 * Every started lookup gave exactly one answer (the engine's ``on_lookup_done`` hook).
 * A cancelled ``store`` left a consistent cache: whole chunks with their exact bytes, a prefix
   of the call's chunks, write-behind queued for exactly those, and once flushed, exactly those
@@ -41,6 +45,7 @@ import trio.testing
 
 from lmprefetch import Engine, PrefetchConfig, open_engine
 from lmprefetch.keys import ChunkKey
+from lmprefetch.prefetch import LookupState
 from lmprefetch.tiers.base import Tier
 from lmprefetch.tiers.chunkfile import TEMP_SUFFIX
 from lmprefetch.tiers.disk import DiskTier
@@ -136,11 +141,25 @@ async def run_lookup(path: Lookup, steps: Steps, via: str) -> Outcome:
                 if isinstance(tier, FakeTier):
                     pairs = zip(engine.keys.keys(hashes[: path.fake_chunks]), data)
                     tier.data.update(pairs)
-            engine.on_lookup_done = lambda hit, _s: answers.append(hit)
+            held_at_answer: list[bool] = []
+
+            def on_lookup_done(hit: int, _s: float) -> None:
+                # A positive answer is claimable when it is given: the record holds it.
+                if hit > 0:
+                    held_at_answer.append(engine.lookup_state("L") is LookupState.HELD)
+                answers.append(hit)
+
+            engine.on_lookup_done = on_lookup_done
             caller_scope = trio.CancelScope()
-            steps.action = (
-                caller_scope.cancel if via == "caller" else functools.partial(engine.cancel, "L")
-            )
+            # When Engine.cancel found the lookup: "before" or "after" its answer.
+            cancelled: list[str] = []
+
+            def engine_cancel() -> None:
+                if engine.lookup_state("L") is not None:
+                    cancelled.append("after" if answers else "before")
+                engine.cancel("L")
+
+            steps.action = caller_scope.cancel if via == "caller" else engine_cancel
 
             async def caller() -> None:
                 with caller_scope:
@@ -154,6 +173,10 @@ async def run_lookup(path: Lookup, steps: Steps, via: str) -> Outcome:
             steps.armed = False
 
             # Nothing may be held beyond what the caller now owns; no engine.cancel() first.
+            assert all(held_at_answer), "a positive answer nobody could claim"
+            if cancelled == ["before"]:
+                # A lookup cancelled before its answer answers 0, whatever it had loaded.
+                assert returned == [0]
             if not returned:
                 assert via == "caller"
                 assert engine.lookup_state("L") is None
@@ -163,17 +186,23 @@ async def run_lookup(path: Lookup, steps: Steps, via: str) -> Outcome:
             else:
                 assert returned[0] == expected
                 with engine.claim("L") as chunks:
-                    # Engine.cancel may have landed after the answer: then nothing is left.
-                    if chunks or via == "caller":
+                    if cancelled == ["after"]:  # the cancel released the held result
+                        assert chunks == []
+                    else:
                         assert [bytes(b.view()) for _, b in chunks] == data[: path.hit_chunks]
                         assert [k.chunk_hash for k, _ in chunks] == hashes[: path.hit_chunks]
                 assert_conserved(engine)
             await engine.wait_quiet()
             assert_conserved(engine)
-            assert engine.stats()["lookups"] == 1
+            assert engine.stats()["lookups"]["started"] == 1
     assert engine.arena.used_slots == 0  # closed: every reference was released
     assert len(answers) == 1, answers  # exactly one answer per started lookup
     assert answers[0] in (0, expected)
+    if cancelled == ["before"]:
+        assert answers == [0]
+    stats = engine.stats()
+    # Counted once: a lookup cancelled before its answer is a miss, never also a hit.
+    assert stats["lookups"]["hits"] + stats["lookups"]["misses"] == 1
     if returned:
         assert answers == returned
     return Outcome(returned, answers, steps.fired)
@@ -306,7 +335,7 @@ async def check_store(
     assert [cached(engine, k)[0] for k in in_cpu] == parts[: len(in_cpu)]
     if returned:
         assert returned == [len(data)] == [n_chunks]
-    assert engine.stats()["chunks_stored"] == n_chunks  # counted even when cancelled
+    assert engine.stats()["store"]["chunks_stored"] == n_chunks  # counted even when cancelled
     # Write-behind holds references on the cached buffers only: nothing else is held.
     assert_conserved(engine)
     for tier in engine.tiers:

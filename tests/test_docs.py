@@ -262,3 +262,25 @@ def test_docs_and_readme_point_only_inside_the_repository() -> None:
             resolved = (path.parent / target.split("#")[0]).resolve()
             assert resolved.is_relative_to(ROOT), f"{path.relative_to(ROOT)} links to {target}"
             assert resolved.exists(), f"{path.relative_to(ROOT)} links to missing {target}"
+
+
+# -- the lookup's state table --------------------------------------------------------------------
+def test_the_state_table_is_rendered_from_the_record_and_the_diagram_matches_it() -> None:
+    """The state table lives in one place, the docstring of the lookup's record: the pages
+    render it (mkdocstrings) instead of keeping copies, and the cancellation page's diagram
+    has exactly its transitions."""
+    from lmprefetch.lookup import TRANSITIONS
+
+    for name in ("architecture.md", "cancellation.md"):
+        page = (DOCS / name).read_text()
+        assert "::: lmprefetch.lookup._Lookup" in page, name
+        copies = [r for r in table_rows(page) if r and r[0] in ("LOADING", "HELD", "CANCELLED")]
+        assert not copies, f"{name} keeps its own copy of the state table: {copies}"
+    page = (DOCS / "cancellation.md").read_text()
+    diagram = page.split("stateDiagram-v2", 1)[1].split("```", 1)[0]
+    edges = set()
+    for frm, to, event in re.findall(r"(\[\*\]|\w+) --> (\[\*\]|\w+)(?:: (\w+))?", diagram):
+        if to == "[*]":
+            continue  # a final state
+        edges.add((None if frm == "[*]" else frm, event, to))
+    assert edges == {(f and f.name, event, to.name) for f, event, to in TRANSITIONS}

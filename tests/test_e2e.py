@@ -75,7 +75,7 @@ def test_d03_cancel_releases_on_every_worker_with_no_other_traffic(
         client.cancel("c")  # idempotent
         for w in workers.values():
             assert w.ask("wait_idle", 10)
-            assert w.ask("stats")["lookups_cancelled"] == 1
+            assert w.ask("stats")["lookups"]["cancelled"] == 1
 
 
 def test_d06_reused_id_gets_a_fresh_answer(config: PrefetchConfig) -> None:
@@ -262,7 +262,7 @@ def test_d19_close_joins_threads_and_leaves_other_contexts_alone(
     worker.close()  # idempotent
     after = engine.stats()
     assert after["held_lookups"] == after["inflight_lookups"] == 0
-    assert after["lookups_cancelled"] == 1  # closing cancelled the held prefetch
+    assert after["lookups"]["cancelled"] == 1  # closing cancelled the held prefetch
     assert after["pinned_chunks"] == 0
     assert after["arena_used_bytes"] == after["cpu_resident_bytes"] == 0  # the arena is free
     assert set(threading.enumerate()) == threads_before  # runtime and bridge threads joined

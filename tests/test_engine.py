@@ -135,7 +135,7 @@ async def test_unclaimed_result_expires_after_ttl(
         await trio.sleep(4.9)
         assert engine.stats()["held_lookups"] == 1
         await trio.sleep(0.2)
-        assert engine.stats()["lookups_expired"] == 1
+        assert engine.stats()["lookups"]["expired"] == 1
         with engine.claim("e") as chunks:
             assert chunks == []
         assert_conserved(engine)
@@ -172,7 +172,7 @@ async def test_malformed_request_answers_zero_and_counts(small_config: PrefetchC
     async with engine_with(small_config) as engine:
         assert await engine.lookup_and_prefetch("bad", [1, 2, 3], [4, 4]) == 0
         assert await engine.lookup_and_prefetch("bad2", [1], [0]) == 0
-        assert engine.stats()["malformed_requests"] == 2
+        assert engine.stats()["lookups"]["malformed"] == 2
 
 
 async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> None:
@@ -184,7 +184,7 @@ async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> No
             "d", engine.hasher.hash(toks), offsets(2), deadline=past
         )
         assert got == 0
-        assert engine.stats()["deadline_expired"] == 1
+        assert engine.stats()["lookups"]["deadline_expired"] == 1
 
 
 async def test_layerwise_keys_per_layer_and_whole_chunks(small_config: PrefetchConfig) -> None:
@@ -226,7 +226,7 @@ async def test_store_when_everything_pinned_stores_what_fits(
         await engine.store(held, payloads(30))
         await engine.lookup_and_prefetch("hold", engine.hasher.hash(held), offsets(30))
         assert await engine.store(tokens(5, salt=2), payloads(5)) == 2
-        assert engine.stats()["store_rejected_chunks"] == 3
+        assert engine.stats()["store"]["rejected_chunks"] == 3
         engine.cancel("hold")
         await engine.wait_quiet()
         assert await engine.store(tokens(5, salt=2), payloads(5)) == 5  # evicts now
@@ -320,7 +320,7 @@ async def test_d05_failing_tier_answers_prefix_before_it_at_once(
             assert [bytes(b.view()) for _, b in chunks] == data[:2]
         await engine.wait_quiet()
         assert_conserved(engine, faults=True)
-        assert engine.stats()["lookups_failed"] == 0  # a tier's failure is not the engine's
+        assert engine.stats()["lookups"]["failed"] == 0  # a tier's failure is not the engine's
         broken.load_error = None
         broken.probe_error = RuntimeError("probe broke")
         assert await engine.lookup_and_prefetch("g", hashes, offsets(5)) == 8
@@ -349,7 +349,7 @@ async def test_d05_hanging_tier_is_bounded_by_tier_timeout(
         engine.cancel("h2")
         await engine.wait_quiet()
         assert_conserved(engine, faults=True)
-        assert engine.stats()["lookups_failed"] == 0
+        assert engine.stats()["lookups"]["failed"] == 0
         assert hung.stats.errors == 2
 
 
@@ -798,12 +798,12 @@ async def test_ranks_sharing_a_disk_path_never_index_or_evict_each_others_files(
         assert_conserved(engine)
 
 
-async def test_claimed_and_cancelled_cpu_hits_do_not_pile_up_in_the_expiry_heap(
+async def test_claimed_and_cancelled_results_do_not_pile_up_in_the_expiry_queue(
     small_config: PrefetchConfig,
 ) -> None:
-    """Full CPU hits are answered without a task and expire through one heap; results that
-    were claimed or cancelled leave it (lazily, amortised), so it follows what is held, not
-    the lookup rate times claim_ttl_s."""
+    """Every held result expires through one queue; results that were claimed or cancelled
+    leave it (lazily, amortised), so it follows what is held, not the lookup rate times
+    claim_ttl_s."""
     async with engine_with(small_config) as engine:
         toks = tokens(2)
         await engine.store(toks, payloads(2))
@@ -818,7 +818,7 @@ async def test_claimed_and_cancelled_cpu_hits_do_not_pile_up_in_the_expiry_heap(
                     assert len(chunks) == 2
             else:
                 engine.cancel(f"r{i}")
-        assert len(engine._expiries) < 2 * 1024 + len(kept)
+        assert len(engine._lookups._expiries) < 2 * 1024 + len(kept)
         assert engine.stats()["held_lookups"] == len(kept)
         for lookup_id in kept:
             with engine.claim(lookup_id) as chunks:
@@ -841,3 +841,34 @@ async def test_open_engine_prefaults_the_configured_part_of_the_arena(prefault_s
     )
     async with open_engine(config) as engine:
         assert resident_bytes(engine.arena) == min(prefault_slots, 48) * slot
+
+
+async def test_wait_quiet_waits_for_every_held_result_with_or_without_a_task(
+    small_config: PrefetchConfig, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Nothing loading or held: a result answered from memory (no task) counts as much as one
+    a lookup task loaded; each ends the wait when it is claimed, cancelled or expires."""
+    disk = FakeTier("disk")
+    config = small_config.replace(claim_ttl_s=10.0)
+    async with engine_with(config, disk) as engine:
+        await engine.store(tokens(2), payloads(2))
+        in_cpu = engine.hasher.hash(tokens(2))
+        on_disk = await put_in(disk, engine, tokens(2, salt=1), payloads(2, salt=1))
+        assert await engine.lookup_and_prefetch("memory", in_cpu, offsets(2)) == 2 * CHUNK
+        with trio.move_on_after(1) as waited:
+            await engine.wait_quiet()
+        assert waited.cancelled_caught  # held without a task: not quiet
+        assert await engine.lookup_and_prefetch("task", on_disk, offsets(2)) == 2 * CHUNK
+        held_at = trio.current_time()
+        with trio.move_on_after(4) as waited:
+            await engine.wait_quiet()
+        assert waited.cancelled_caught  # both still held
+        with engine.claim("memory"):
+            pass
+        with trio.move_on_after(1) as waited:
+            await engine.wait_quiet()
+        assert waited.cancelled_caught  # "task" is still held
+        await engine.wait_quiet()  # until "task" expires
+        assert trio.current_time() == pytest.approx(held_at + 10.0)
+        assert engine.stats()["lookups"]["expired"] == 1
+        assert_conserved(engine)

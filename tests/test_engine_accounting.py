@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 
 import msgspec
 import pytest
@@ -52,7 +53,7 @@ async def test_every_counter_counts_each_event_exactly_once(
         with engine.claim("claim2") as chunks:
             assert len(chunks) == 3
 
-        # 4 expiries: two held by the expiry task, two by their lookup tasks.
+        # 4 expiries: two answered without a task, two by their lookup tasks.
         for i in range(2):
             assert await engine.lookup_and_prefetch(f"cpu-exp{i}", in_cpu, offsets(2)) > 0
             assert await engine.lookup_and_prefetch(f"disk-exp{i}", on_disk, offsets(3)) > 0
@@ -113,20 +114,21 @@ async def test_every_counter_counts_each_event_exactly_once(
 
         await engine.wait_quiet()
         stats = engine.stats()
-        assert {name: stats[name] for name in engine.counters} == {
-            "lookups": 3 + 4 + 3 + 2 + 2 + 2 + 2 + 3,
-            "lookup_hits": 3 + 4 + 3 + 1,  # broken1's disk hit was answered (not delivered)
-            "lookup_misses": 2 + 2 + 2 + 1 + 3,
+        assert stats["lookups"] == {
+            "started": 3 + 4 + 3 + 2 + 2 + 2 + 2 + 3,
+            "hits": 3 + 4 + 3 + 1,  # broken1's disk hit was answered (not delivered)
+            "misses": 2 + 2 + 2 + 1 + 3,
             "hit_tokens": 6 * 2 * CHUNK + 5 * 3 * CHUNK,
-            "lookups_claimed": 3,
-            "lookups_cancelled": 4,
-            "lookups_expired": 4,
-            "lookups_failed": 2,
-            "malformed_requests": 5,
+            "claimed": 3,
+            "cancelled": 4,
+            "expired": 4,
+            "failed": 2,
+            "malformed": 5,
             "deadline_expired": 2,
-            "chunks_stored": 2,
-            "store_rejected_chunks": 0,
+            "inflight": 0,
+            "held": 0,
         }
+        assert stats["store"] == {"chunks_stored": 2, "rejected_chunks": 0}
         assert stats["tiers"]["disk"]["errors"] == 3
         assert_conserved(engine, faults=True)
 
@@ -146,7 +148,7 @@ async def test_a_failed_lookup_answers_0_even_with_chunks_to_skip(
         engine.arena.allocate_many = bug  # type: ignore[method-assign,assignment]
         assert await engine.lookup_and_prefetch("a", hashes, offsets(4)) == 0
         assert await engine.lookup_and_prefetch("b", hashes, offsets(4), skip_chunks=2) == 0
-        assert engine.stats()["lookups_failed"] == 2
+        assert engine.stats()["lookups"]["failed"] == 2
         await engine.wait_quiet()
         assert engine.lookup_state("a") is engine.lookup_state("b") is None
         assert_conserved(engine, faults=True)
@@ -216,20 +218,18 @@ async def test_when_a_tier_covers_the_rest_later_tiers_are_not_asked(
         assert_conserved(engine)
 
 
-async def test_a_claimed_lookup_reads_claimed_until_its_task_is_gone(
-    config: PrefetchConfig,
-) -> None:
+async def test_a_claimed_lookup_is_forgotten_at_once(config: PrefetchConfig) -> None:
     disk = FakeTier("disk")
     async with engine_with(config, disk) as engine:
         hashes = await put_in(disk, engine, tokens(2), payloads(2))
         assert await engine.lookup_and_prefetch("c", hashes, offsets(2)) == 2 * CHUNK
         assert engine.lookup_state("c") is LookupState.HELD
         chunks = engine.take("c")
-        assert engine.lookup_state("c") is LookupState.CLAIMED
+        assert len(chunks) == 2
+        assert engine.lookup_state("c") is None  # CLAIMED is final: the id is free
         assert engine.take("c") == []  # claimed once
         engine.arena.release_all([buf for _, buf in chunks])
         await engine.wait_quiet()
-        assert engine.lookup_state("c") is None
         assert_conserved(engine)
 
 
@@ -238,15 +238,39 @@ async def test_a_claimed_lookup_reads_claimed_until_its_task_is_gone(
     ["inflight_lookups", "held_lookups", "pinned_chunks", "limiter_used", "arena_used_bytes"],
 )
 async def test_is_idle_needs_every_part_of_the_invariant(
-    config: PrefetchConfig, broken: str, monkeypatch: pytest.MonkeyPatch
+    config: PrefetchConfig, broken: str
 ) -> None:
-    async with open_engine(config) as engine:
+    """Each part of the invariant made false for real, one at a time: ``is_idle`` says so."""
+    disk = FakeTier("disk")
+    disk.load_gate = trio.Event()  # a disk load stays in flight
+    async with engine_with(config, disk) as engine:
+        await engine.store(tokens(1), payloads(1))
+        in_cpu = engine.hasher.hash(tokens(1))
+        on_disk = await put_in(disk, engine, tokens(2, salt=1), payloads(2, salt=1))
         assert engine.is_idle()
-        real = engine.stats()
-        wrong = dict(real)
-        wrong[broken] = real[broken] + 1
-        monkeypatch.setattr(engine, "stats", lambda: wrong)
-        assert not engine.is_idle()
+        with ExitStack() as undo:
+            if broken == "inflight_lookups":
+                engine.start_lookup("in-flight", on_disk, offsets(2), on_answer=lambda n: None)
+                undo.callback(engine.cancel, "in-flight")
+            elif broken == "held_lookups":
+                assert await engine.lookup_and_prefetch("held", in_cpu, offsets(1)) == CHUNK
+                undo.callback(engine.cancel, "held")
+            elif broken == "pinned_chunks":
+                key = engine.keys.keys(in_cpu)
+                engine.cpu.pin(key)
+                undo.callback(engine.cpu.unpin, key)
+            elif broken == "limiter_used":
+                undo.callback(engine.limiter.release, engine.limiter.acquire_nowait(1))
+            else:
+                buf = engine.arena.allocate()
+                assert buf is not None
+                undo.callback(buf.release)
+            assert engine.stats()[broken] > (engine.stats()["cpu_resident_bytes"]
+                                             if broken == "arena_used_bytes" else 0)  # fmt: skip
+            assert not engine.is_idle()
+        disk.load_gate.set()
+        await engine.wait_quiet()
+        assert engine.is_idle()
 
 
 async def test_a_deadline_that_passes_in_the_limiters_queue_is_a_shorter_prefix(
@@ -271,7 +295,7 @@ async def test_a_deadline_that_passes_in_the_limiters_queue_is_a_shorter_prefix(
             await engine.lookup_and_prefetch("small", small, offsets(3), deadline=deadline)
             == CHUNK  # the CPU tier's chunk; the disk's two waited for the limiter in vain
         )
-        assert engine.stats()["lookups_failed"] == 0
+        assert engine.stats()["lookups"]["failed"] == 0
         with engine.claim("small") as chunks:
             assert len(chunks) == 1
         disk.load_gate.set()
@@ -289,7 +313,7 @@ async def test_a_full_arena_is_a_shorter_prefix_not_a_failure(config: PrefetchCo
         assert engine.arena.free_slots == 0
         try:
             assert await engine.lookup_and_prefetch("full", hashes, offsets(2)) == 0
-            assert engine.stats()["lookups_failed"] == 0
+            assert engine.stats()["lookups"]["failed"] == 0
         finally:
             engine.arena.release_all(taken)
         await engine.wait_quiet()
@@ -356,7 +380,7 @@ async def test_a_callback_that_raises_is_logged_with_its_lookup_id(
         messages = [r.getMessage() for r in caplog.records]
         assert any("answered-now-7" in m for m in messages), messages
         assert any("answered-by-task-8" in m for m in messages), messages
-        assert engine.stats()["lookups_failed"] == 2
+        assert engine.stats()["lookups"]["failed"] == 2
 
 
 async def test_a_records_state_ends_done_unless_claimed(config: PrefetchConfig) -> None:
@@ -391,7 +415,7 @@ async def test_stores_that_do_not_fit_count_every_rejected_chunk(config: Prefetc
             assert await engine.store(tokens(5, salt=1), payloads(5)) == 2
             # Room again only by evicting the first store's chunks, not this call's own.
             assert await engine.store(tokens(4, salt=2), payloads(4)) == 2
-            assert engine.stats()["store_rejected_chunks"] == 3 + 2
+            assert engine.stats()["store"]["rejected_chunks"] == 3 + 2
         finally:
             engine.arena.release_all(taken)
 
@@ -406,7 +430,7 @@ async def test_a_layerwise_chunk_that_does_not_fit_leaves_none_of_its_layers(
             assert await engine.store(tokens(3), [bytes([i]) * 64 for i in range(3)]) == 2
             assert engine.stats()["cpu_resident_chunks"] == 4  # chunk 2's first layer is gone
             assert engine.arena.free_slots == 1
-            assert engine.stats()["store_rejected_chunks"] == 1
+            assert engine.stats()["store"]["rejected_chunks"] == 1
         finally:
             engine.arena.release_all(taken)
 
@@ -481,14 +505,30 @@ async def test_stats_report_the_engines_shape_and_state(config: PrefetchConfig) 
         await engine.store(tokens(2), payloads(2))
         stats = engine.stats()
         slots = engine.arena.num_slots
+        slot_bytes = engine.arena.slot_bytes
         assert {k: stats[k] for k in (
-            "rank", "world_size", "limiter_total", "limiter_waiting", "limiter_used",
-            "arena_total_bytes", "cpu_resident_chunks", "events_pending",
+            "rank", "world_size", "limiter_used", "arena_total_bytes", "cpu_resident_chunks",
         )} == {
-            "rank": 1, "world_size": 3, "limiter_total": slots // 2, "limiter_waiting": 0,
-            "limiter_used": 0, "arena_total_bytes": slots * engine.arena.slot_bytes,
-            "cpu_resident_chunks": 2, "events_pending": 1 + 2,  # AllBlocksCleared, 2 stored
+            "rank": 1, "world_size": 3, "limiter_used": 0,
+            "arena_total_bytes": slots * slot_bytes, "cpu_resident_chunks": 2,
         }  # fmt: skip
+        assert stats["limiter"] == {
+            "total": slots // 2, "used": 0, "tasks_waiting": 0, "weight_waiting": 0,
+        }  # fmt: skip
+        assert stats["arena"] == {
+            "slot_bytes": slot_bytes, "total_slots": slots, "used_slots": 2,
+            "total_bytes": slots * slot_bytes, "used_bytes": 2 * slot_bytes,
+        }  # fmt: skip
+        # AllBlocksCleared, then 2 stored: each component's counters under its own name.
+        assert stats["kv_events"] == {
+            "stored": 2, "removed": 0, "cleared": 1, "dropped": 0, "pending": 1 + 2,
+        }  # fmt: skip
+        assert list(stats["tiers"]) == ["cpu"]
+        assert stats["tiers"]["cpu"]["chunks_stored"] == 2
+        # The typed value behind the dict.
+        typed = engine.statistics()
+        assert typed.as_dict() == stats
+        assert dict(typed.tiers)["cpu"].chunks_stored == 2
 
 
 async def test_a_closed_engine_answers_0_at_once_and_holds_nothing(
@@ -500,7 +540,8 @@ async def test_a_closed_engine_answers_0_at_once_and_holds_nothing(
     answers: list[int] = []
     done: list[int] = []
     engine.on_lookup_done = lambda hit, seconds: done.append(hit)
-    assert engine.start_lookup("late", hashes, offsets(2), on_answer=answers.append) is None
+    late = engine.start_lookup("late", hashes, offsets(2), on_answer=answers.append)
+    assert late.state is LookupState.DONE
     assert answers == [0] and done == [0]
     assert engine.lookup_state("late") is None
 
@@ -528,12 +569,12 @@ async def test_a_miss_known_without_io_answers_the_skipped_tokens_at_once(
         rec = engine.start_lookup(
             "skip", hashes, offsets(3), on_answer=answers.append, skip_chunks=1
         )
-        assert rec is None and answers == [CHUNK]
+        assert rec.state is LookupState.DONE and answers == [CHUNK]
         assert done == [(CHUNK, 0.0)]
         everything = engine.start_lookup(
             "all", hashes, offsets(3), on_answer=answers.append, skip_chunks=3
         )
-        assert everything is None and answers == [CHUNK, 3 * CHUNK]
+        assert everything.state is LookupState.DONE and answers == [CHUNK, 3 * CHUNK]
 
         def broken(hit_tokens: int) -> None:
             raise RuntimeError("broken callback")
@@ -541,7 +582,7 @@ async def test_a_miss_known_without_io_answers_the_skipped_tokens_at_once(
         with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
             engine.start_lookup("miss-now-5", hashes, offsets(3), on_answer=broken)
         assert any("miss-now-5" in r.getMessage() for r in caplog.records)
-        assert engine.stats()["lookups_failed"] == 1
+        assert engine.stats()["lookups"]["failed"] == 1
 
 
 async def test_a_one_token_chunk_is_a_hit(config: PrefetchConfig) -> None:
@@ -550,8 +591,8 @@ async def test_a_one_token_chunk_is_a_hit(config: PrefetchConfig) -> None:
         await engine.store(tokens(1), payloads(1))
         assert await engine.lookup_and_prefetch("one", hashes, [1]) == 1
         engine.cancel("one")
-        stats = engine.stats()
-        assert (stats["lookup_hits"], stats["lookup_misses"], stats["hit_tokens"]) == (1, 0, 1)
+        lookups = engine.stats()["lookups"]
+        assert (lookups["hits"], lookups["misses"], lookups["hit_tokens"]) == (1, 0, 1)
 
 
 async def test_a_result_claimed_from_the_cpu_tier_is_forgotten_at_once(
@@ -586,7 +627,7 @@ async def test_held_results_expire_in_the_order_of_their_deadlines(
         ]
         await trio.sleep_until(102 + TTL_S + 0.5)
         assert [engine.lookup_state(f"h{i}") for i in range(3)] == [None] * 3
-        assert engine.stats()["lookups_expired"] == 3
+        assert engine.stats()["lookups"]["expired"] == 3
 
 
 def test_a_cpu_budget_beyond_the_machine_is_refused_naming_the_field() -> None:
@@ -613,10 +654,11 @@ async def test_a_first_chunk_missing_a_layer_is_a_miss_answered_at_once(
         await engine.store(toks, [bytes([i]) * 64 for i in range(3)])
         engine.cpu.discard(engine.keys.keys(hashes)[4 + 3])  # chunk 1's last layer
         answers: list[int] = []
-        assert engine.start_lookup("a", hashes, offsets(3), on_answer=answers.append,
-                                   skip_chunks=1) is None  # fmt: skip
+        rec = engine.start_lookup("a", hashes, offsets(3), on_answer=answers.append,
+                                  skip_chunks=1)  # fmt: skip
+        assert rec.state is LookupState.DONE
         assert answers == [CHUNK] and done == [(CHUNK, 0.0)]
-        assert engine.stats()["lookups_failed"] == 0
+        assert engine.stats()["lookups"]["failed"] == 0
         assert_conserved(engine)
 
 
@@ -664,7 +706,7 @@ async def test_answers_given_at_once_log_a_broken_callback_with_the_lookup_id(
         assert any("malformed-3" in m for m in messages), messages
         assert any("layer-gone-4" in m for m in messages), messages
         assert [hit for hit, _ in done] == [0, 0]
-        assert engine.stats()["lookups_failed"] == 2
+        assert engine.stats()["lookups"]["failed"] == 2
 
 
 async def test_late_and_fully_skipped_lookups_log_a_broken_callback_with_the_lookup_id(
@@ -695,7 +737,8 @@ async def test_a_closed_engine_starts_no_task_for_a_tier_that_needs_one(
     async with engine_with(config, disk) as engine:
         hashes = await put_in(disk, engine, tokens(2), payloads(2))
     answers: list[int] = []
-    assert engine.start_lookup("after", hashes, offsets(2), on_answer=answers.append) is None
+    after = engine.start_lookup("after", hashes, offsets(2), on_answer=answers.append)
+    assert after.state is LookupState.DONE and after.scope is None  # no task
     assert answers == [0]
 
 
@@ -703,4 +746,4 @@ async def test_the_limiter_holds_half_the_arena_and_at_least_one_chunk() -> None
     for slots, expected in ((2, 1), (3, 1), (8, 4)):
         config = PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * slots)
         async with open_engine(config) as engine:
-            assert engine.stats()["limiter_total"] == expected, slots
+            assert engine.stats()["limiter"]["total"] == expected, slots

@@ -48,6 +48,16 @@ def test_kv_events_subscriber_demo() -> None:
     assert "stored 6, removed 2" in out
 
 
+def test_bench_hot_path_example() -> None:
+    out = run_example("bench_hot_path.py", "3")
+    assert "load average" in out
+    for label in (
+        "16-chunk CPU hit + claim", "16-chunk known miss", "Engine.stats()",
+        "LookupClient.lookup, submit", "bridge.Request built",
+    ):  # fmt: skip
+        assert label in out, out
+
+
 @pytest.mark.slow
 def test_bench_engine_example() -> None:
     out = run_example("bench_engine.py", "3")

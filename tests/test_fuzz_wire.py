@@ -225,7 +225,7 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 accepted = stats["requests_accepted"]
                 # Every answer exists now: sent, or queued for the send task.
                 assert stats["answers_sent"] + stats["answers_queued"] == accepted, stats
-                assert engine.stats()["lookups_failed"] == 0
+                assert engine.stats()["lookups"]["failed"] == 0
                 answers += await peer.answers_until(lambda got: len(answers) + len(got) >= accepted)
                 peer.send(encode(LookupRequestMsg(last, [1], [CHUNK], seq=1)))
                 after = await peer.answers_until(bool)

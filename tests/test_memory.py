@@ -50,6 +50,29 @@ def test_owner_counting_and_double_release_is_loud() -> None:
         b.view()
 
 
+def test_a_released_buffer_cannot_be_written_nor_read_as_a_tensor() -> None:
+    """``write`` and ``tensor`` check that the buffer is live, as ``view`` and ``slot`` do: a
+    write through a stale handle would land in a slot someone else may own by now."""
+    arena = Arena(8, 1)
+    b = arena.allocate()
+    assert b is not None
+    b.write(b"abc")
+    b.release()
+    again = arena.allocate()  # the same slot, another owner's now
+    assert again is b
+    b.release()  # that owner is done too: the handle is stale
+    with pytest.raises(DoubleReleaseError, match=r"^buffer 0 used after its last release$"):
+        b.write(b"xyz")
+    with pytest.raises(DoubleReleaseError, match=r"^buffer 0 used after its last release$"):
+        b.tensor()  # the liveness check comes before the backend's
+    with pytest.raises(DoubleReleaseError, match=r"^buffer 0 used after its last release$"):
+        b.slot()
+    assert arena.free_slots == 1
+    fresh = arena.allocate()
+    assert fresh is not None and bytes(fresh.view()) == b""  # nothing was written
+    fresh.release()
+
+
 def test_a_released_buffer_cannot_be_retained_back_to_life() -> None:
     arena = Arena(8, 1)
     b = arena.allocate()

@@ -540,7 +540,7 @@ async def test_a_bug_in_the_engine_fails_the_lookup_loudly_not_as_a_miss(
         with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
             assert await engine.lookup_and_prefetch("b", hashes, offsets(3)) == 0
         stats = engine.stats()
-        assert stats["lookups_failed"] == 1
+        assert stats["lookups"]["failed"] == 1
         assert disk.stats.errors == 0  # the tier did nothing wrong
         assert any("a bug in the arena" in r.getMessage() or r.exc_info for r in caplog.records)
         await engine.wait_quiet()
@@ -564,6 +564,6 @@ async def test_a_tier_failure_is_a_shorter_prefix_not_a_failed_lookup(
         with engine.claim("t") as chunks:
             assert len(chunks) == 1
         await engine.wait_quiet()
-        assert engine.stats()["lookups_failed"] == 0
+        assert engine.stats()["lookups"]["failed"] == 0
         assert disk.stats.errors == 1
         assert_conserved(engine, faults=True)

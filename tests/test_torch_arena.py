@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lmprefetch import PrefetchConfig, open_engine  # noqa: E402
-from lmprefetch.memory import Arena  # noqa: E402
+from lmprefetch.memory import Arena, DoubleReleaseError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -24,6 +24,8 @@ def test_torch_arena_buffers_are_tensor_views() -> None:
     assert t.is_pinned() == torch.cuda.is_available()
     buf.release()
     assert arena.free_slots == 4
+    with pytest.raises(DoubleReleaseError, match=r"used after its last release"):
+        buf.tensor()
 
 
 async def test_engine_with_torch_buffers_takes_tensor_payloads() -> None:

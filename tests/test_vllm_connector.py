@@ -408,7 +408,7 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert saves[0].chunk_rows == [2, 2, 2]
     h.run_until_finished("first")
     stats = h.wait_worker_quiet()
-    assert stats["chunks_stored"] == 3
+    assert stats["store"]["chunks_stored"] == 3
     assert_worker_idle(stats)
 
     # Wipe the paged cache (a fresh worker memory): only lmprefetch can bring the KV back.
@@ -429,7 +429,7 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert req.num_computed_tokens == len(second)  # 96 loaded + 40 computed
     assert h.invalid_history[-1] == set()
     stats = h.wait_worker_quiet()
-    assert stats["lookups_claimed"] == 1
+    assert stats["lookups"]["claimed"] == 1
     assert_worker_idle(stats)
     assert h.stats.data["hit_tokens"] == 96
     assert h.stats.data["lookup_hits"] == 1
@@ -473,7 +473,7 @@ def test_full_hit_keeps_one_token_to_compute(
     assert out.num_scheduled_tokens["b"] == 1
     assert req.num_computed_tokens == n_tokens
     stats = h.wait_worker_quiet()
-    assert stats["lookups_claimed"] == 1
+    assert stats["lookups"]["claimed"] == 1
     assert_worker_idle(stats)
 
 
@@ -493,8 +493,9 @@ def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: st
         assert out.kv_connector_metadata.saves == []
     h.run_until_finished("a")
     stats = h.wait_worker_quiet()
-    assert stats["chunks_stored"] == (2 if role == "kv_producer" else 0)
-    assert stats["requests_received"] == (1 if role == "kv_producer" else 2)  # + the probe
+    assert stats["store"]["chunks_stored"] == (2 if role == "kv_producer" else 0)
+    # + the probe:
+    assert stats["server"]["requests_received"] == (1 if role == "kv_producer" else 2)
 
 
 def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(
@@ -598,8 +599,8 @@ def test_an_answer_too_old_to_trust_is_looked_up_again(
     assert [s.req_id for s in loads] == ["c"]
     assert h.stats.data["lookup_restarts"] == 1
     stats = h.wait_worker_quiet()
-    assert stats["lookups_cancelled"] == 1
-    assert stats["lookups_claimed"] == 2
+    assert stats["lookups"]["cancelled"] == 1
+    assert stats["lookups"]["claimed"] == 2
     assert_worker_idle(stats)
 
 
@@ -614,8 +615,8 @@ def test_abort_while_lookup_pending_reaches_the_worker(make_harness: Any) -> Non
     h.register()
     # The request and its cleanup were queued (in this order) before the worker existed.
     stats = h.wait_worker_quiet()
-    assert stats["requests_received"] == 2  # "gone" and the sync probe
-    assert stats["cleanups_received"] == 1
+    assert stats["server"]["requests_received"] == 2  # "gone" and the sync probe
+    assert stats["server"]["cleanups_received"] == 1
     assert_worker_idle(stats)
 
 
@@ -633,8 +634,8 @@ def test_abort_of_an_answered_never_scheduled_request_releases_the_prefetch(
     assert h.runtime.stats()["held_lookups"] == 1
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     stats = h.wait_worker_quiet()
-    assert stats["lookups_cancelled"] == 1
-    assert stats["lookups_claimed"] == 0
+    assert stats["lookups"]["cancelled"] == 1
+    assert stats["lookups"]["claimed"] == 0
     assert_worker_idle(stats)
 
 
@@ -674,7 +675,7 @@ def test_preempted_request_is_looked_up_again(make_harness: Any) -> None:
     assert resumed[0].end_token == 64
     h.run_until_finished("b")
     stats = h.wait_worker_quiet()
-    assert stats["lookups_claimed"] == 1
+    assert stats["lookups"]["claimed"] == 1
     assert_worker_idle(stats)
 
 

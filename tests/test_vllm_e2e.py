@@ -161,7 +161,7 @@ def test_same_tokens_with_and_without_lmprefetch_and_cached_tokens_served(
     assert sched["hit_tokens"] == hit_tokens
     assert worker["loaded_chunks"] == hit_tokens // chunk
     assert worker.get("load_failures", 0) == 0
-    assert runtime["lookups_claimed"] == 3
+    assert runtime["lookups"]["claimed"] == 3
     assert runtime["cpu_resident_chunks"] == 4  # the shared prefix's 3 chunks + 1
     # Nothing is left in flight, held or pinned.
     assert runtime["inflight_lookups"] == 0

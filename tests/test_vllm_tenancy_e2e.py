@@ -230,4 +230,4 @@ def test_subscriber_sees_stores_and_evictions_under_vllm_block_hashes(run: dict[
     assert len(on_cpu) == run["runtime"]["cpu_resident_chunks"] == 16
     # Every chunk reached the disk tier too (flushed before the last step).
     assert set(expected) <= stored_disk
-    assert run["runtime"]["events_dropped"] == 0
+    assert run["runtime"]["kv_events"]["dropped"] == 0

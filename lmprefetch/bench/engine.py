@@ -41,8 +41,9 @@ import trio
 import xxhash
 
 from ..config import PrefetchConfig
-from ..prefetch import Engine, open_engine
+from ..prefetch import Engine
 from ..tiers.disk import DiskTier
+from ..wiring import open_engine
 from .goals import Goal, Limit, load_text
 from .measure import load_avg
 
@@ -167,7 +168,7 @@ async def _run(
     from ..hashing import ChunkHasher
     from ..tiers.chunkfile import RACY_NS
 
-    hasher = ChunkHasher(chunk_size, config.hash_algorithm)
+    hasher = ChunkHasher.from_config(config)
     prompts = [hasher.hash(_prompt(i, chunks, chunk_size)) for i in range(9)]
     await _store_prompts(config, prompts, payload)
     written_at = time.monotonic()

@@ -66,7 +66,7 @@ def worker_main(
     try:
         workload = make_workload(opts) if preload else Workload()
         block = payload_block(config.chunk_bytes, rank)
-        hasher = ChunkHasher(config.chunk_size, config.hash_algorithm)
+        hasher = ChunkHasher.from_config(config)
         t0 = time.perf_counter()
         stored = 0
         for history in workload.stored:

@@ -28,16 +28,42 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import Protocol, runtime_checkable
 
+import msgspec
 import trio
 
 from ..keys import ChunkKey
 from ..memory import Buffer
 
-__all__ = ["BaseTier", "ResidencyListener", "Tier", "TierStats", "WriteBehindTier", "ZeroCopyTier"]
+__all__ = [
+    "BaseTier",
+    "ResidencyListener",
+    "Tier",
+    "TierStatistics",
+    "TierStats",
+    "WriteBehindTier",
+    "ZeroCopyTier",
+]
+
+
+class TierStatistics(msgspec.Struct, frozen=True, gc=False):
+    """A snapshot of one tier's counters (see :class:`TierStats` for their meaning)."""
+
+    probes: int
+    hits: int
+    chunks_loaded: int
+    bytes_loaded: int
+    chunks_stored: int
+    bytes_stored: int
+    writes_dropped: int
+    evictions: int
+    errors: int
+    load_seconds: float
+    busy_seconds: float
 
 
 class TierStats:
-    """Counters every tier keeps (read by ``Engine.stats()`` and the metrics exporter)."""
+    """Counters every tier keeps, as it goes (:meth:`statistics` takes a frozen snapshot for
+    ``Engine.statistics()`` and the metrics exporter)."""
 
     __slots__ = (
         "_busy_since",
@@ -83,8 +109,23 @@ class TierStats:
         if self._loads_active == 0:
             self.busy_seconds += now - self._busy_since
 
+    def statistics(self) -> TierStatistics:
+        return TierStatistics(
+            probes=self.probes,
+            hits=self.hits,
+            chunks_loaded=self.chunks_loaded,
+            bytes_loaded=self.bytes_loaded,
+            chunks_stored=self.chunks_stored,
+            bytes_stored=self.bytes_stored,
+            writes_dropped=self.writes_dropped,
+            evictions=self.evictions,
+            errors=self.errors,
+            load_seconds=self.load_seconds,
+            busy_seconds=self.busy_seconds,
+        )
+
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.__slots__ if name[0] != "_"}
+        return msgspec.structs.asdict(self.statistics())
 
 
 @runtime_checkable

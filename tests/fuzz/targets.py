@@ -290,7 +290,7 @@ class HandleHarness:
 
 def _failures(engine: Engine) -> tuple[int, ...]:
     s = engine.stats()
-    return (s["lookups_failed"], *(tier["errors"] for tier in s["tiers"].values()))
+    return (s["lookups"]["failed"], *(tier["errors"] for tier in s["tiers"].values()))
 
 
 def assert_idle(engine: Engine, failures_before: tuple[int, ...] | None = None) -> None:

@@ -88,9 +88,7 @@ class _SchedulerSide:
         self._config = config
         self._block_size = int(vllm_config.cache_config.block_size)
         self._chunk_size = config.chunk_size
-        self._hasher = ChunkHasher(
-            config.chunk_size, config.hash_algorithm, config.save_partial_chunks
-        )
+        self._hasher = ChunkHasher.from_config(config)
         self._do_load = bool(ktc.is_kv_consumer)
         self._do_save = bool(ktc.is_kv_producer)
         self._stale_after_s = config.claim_ttl_s * _STALE_ANSWER_FRACTION
