@@ -265,7 +265,7 @@ def schedules(session: nox.Session) -> None:
     ``N`` seeds, with every disturbance after every task step (the default suite runs a quick
     pass).  ``nox -s schedules -- 200`` for 200 seeds (default 30; the environment variable
     ``LMPREFETCH_SCHEDULE_SEEDS`` also sets it)."""
-    session.install("-e", ".[test]")
+    _install(session, "-e", ".[test]")
     seeds = next((a for a in session.posargs if a.isdigit()), None)
     session.env["LMPREFETCH_SCHEDULE_SEEDS"] = (
         seeds or os.environ.get("LMPREFETCH_SCHEDULE_SEEDS") or "30"

@@ -37,7 +37,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import msgspec
 import trio
@@ -53,22 +53,9 @@ from .store import ChunkStore, StoreStatistics
 from .tiers.base import Tier, TierStatistics, WriteBehindTier, ZeroCopyTier
 from .tiers.cpu import CpuTier
 
-if TYPE_CHECKING:
-    from .wiring import open_engine as open_engine
-
-__all__ = ["Engine", "EngineStatistics", "LookupState", "open_engine"]
+__all__ = ["Engine", "EngineStatistics", "LookupState"]
 
 log = logging.getLogger("lmprefetch.engine")
-
-
-def __getattr__(name: str) -> Any:
-    # Names that moved to lmprefetch.wiring, still importable from here (wiring imports this
-    # module, so a plain import at the top would be a cycle).
-    if name in ("open_engine", "_check_machine_memory"):
-        from . import wiring
-
-        return getattr(wiring, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, gc=False):

@@ -19,7 +19,8 @@ import trio.testing
 
 from lmprefetch import PrefetchConfig, open_engine
 from lmprefetch.events import BlockRemoved, BlockStored, ChunkBlocks
-from lmprefetch.prefetch import LookupState, _check_machine_memory
+from lmprefetch.prefetch import LookupState
+from lmprefetch.wiring import _check_machine_memory
 
 from .fakes import FakeTier
 from .helpers import CHUNK, assert_conserved, engine_with, offsets, payloads, put_in, tokens

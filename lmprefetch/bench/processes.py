@@ -185,7 +185,7 @@ def _measure_disk(runtime: Any, concurrency: int, rounds: int) -> dict[str, Any]
     keys = disk.keys()
     # At most DISK_PROBE_CHUNKS per lookup, fewer when the tier or the limiter (the chunks
     # that may load at once) has less room: every lookup must load all its chunks.
-    room = min(len(keys), int(engine.stats()["limiter_total"]))
+    room = min(len(keys), int(engine.stats()["limiter"]["total"]))
     concurrency = min(concurrency, room)
     n = min(DISK_PROBE_CHUNKS, room // concurrency) if concurrency else 0
     if n < 1:

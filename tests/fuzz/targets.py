@@ -39,7 +39,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from lmprefetch import PrefetchConfig
 from lmprefetch.keys import ChunkKey
-from lmprefetch.prefetch import Engine, open_engine
+from lmprefetch.prefetch import Engine
 from lmprefetch.protocol import (
     LookupCleanupMsg,
     LookupRequestMsg,
@@ -50,6 +50,7 @@ from lmprefetch.protocol import (
     validate_request,
 )
 from lmprefetch.server import LookupServer
+from lmprefetch.wiring import open_engine
 
 __all__ = [
     "TARGETS",
