@@ -210,12 +210,12 @@ def fuzz(session: nox.Session) -> None:
     then the Hypothesis fuzz tests with 20 times their examples; fails if anything crashed.
 
     ``nox -s fuzz -- [SECONDS] [merge]``: seconds per target (default 60, or
-    ``$LMPREFETCH_FUZZ_SECONDS``); ``merge`` adds the inputs that reached new code to
+    ``$LMPF_FUZZ_SECONDS``); ``merge`` adds the inputs that reached new code to
     ``tests/fuzz/corpus/``.  A crashing input is written to ``tests/fuzz/crashes/<target>/``,
     which the suite replays from then on: fix the bug and keep the file.
     """
     numbers = [a for a in session.posargs if a.isdigit()]
-    seconds = int(numbers[0]) if numbers else int(os.environ.get("LMPREFETCH_FUZZ_SECONDS", 60))
+    seconds = int(numbers[0]) if numbers else int(os.environ.get("LMPF_FUZZ_SECONDS", 60))
     _install(session, "-e", ".[test]", "atheris")
     crashes = HERE / "tests" / "fuzz" / "crashes"
     before = {p for p in crashes.rglob("*") if p.is_file()}
@@ -235,7 +235,7 @@ def fuzz(session: nox.Session) -> None:
     found = sorted(str(p) for p in crashes.rglob("*") if p.is_file() and p not in before)
     if found:
         session.error("the fuzzers found crashes (see above): " + ", ".join(found))
-    session.env["LMPREFETCH_FUZZ_SCALE"] = os.environ.get("LMPREFETCH_FUZZ_SCALE", "20")
+    session.env["LMPF_FUZZ_SCALE"] = os.environ.get("LMPF_FUZZ_SCALE", "20")
     fuzz_tests = (
         "test_fuzz_wire.py", "test_fuzz_config_cli.py", "test_fuzz_disk.py",
         "test_fuzz_regressions.py",
@@ -264,11 +264,11 @@ def schedules(session: nox.Session) -> None:
     """The deep pass of the schedule explorer (``tests/schedules.py``): every scenario under
     ``N`` seeds, with every disturbance after every task step (the default suite runs a quick
     pass).  ``nox -s schedules -- 200`` for 200 seeds (default 30; the environment variable
-    ``LMPREFETCH_SCHEDULE_SEEDS`` also sets it)."""
+    ``LMPF_SCHEDULE_SEEDS`` also sets it)."""
     _install(session, "-e", ".[test]")
     seeds = next((a for a in session.posargs if a.isdigit()), None)
-    session.env["LMPREFETCH_SCHEDULE_SEEDS"] = (
-        seeds or os.environ.get("LMPREFETCH_SCHEDULE_SEEDS") or "30"
+    session.env["LMPF_SCHEDULE_SEEDS"] = (
+        seeds or os.environ.get("LMPF_SCHEDULE_SEEDS") or "30"
     )
     # One scenario runs for minutes: no faulthandler dump of a test that is merely long.
     session.run(

@@ -94,7 +94,7 @@ CHUNK = 16  # tokens per chunk
 CHUNK_BYTES = 4096  # payload bytes per chunk (a chunk file is 4 KiB of header + this)
 FILE_BYTES = HEADER_BYTES + CHUNK_BYTES
 MiB = 1 << 20
-_IN_NAMESPACE = "LMPREFETCH_CHAOS_NAMESPACE"
+_IN_NAMESPACE = "LMPF_CHAOS_NAMESPACE"
 KINDS = ("kill", "pause", "delete", "truncate", "corrupt", "full_disk")
 #: The smoke run's faults, in this order: (kind[:variant], targeted).
 SMOKE_FAULTS: list[tuple[str, bool]] = [

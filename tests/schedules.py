@@ -39,7 +39,7 @@ same point).  After every run it checks (:meth:`World.check`):
   docstring (read from the docstring itself).
 
 A violation names its scenario, seed, step and disturbance; :func:`run_once` with the same
-arguments replays it (``LMPREFETCH_SCHEDULE=scenario:seed:step:disturbance pytest
+arguments replays it (``LMPF_SCHEDULE=scenario:seed:step:disturbance pytest
 tests/test_schedules.py -k replay``).
 
 Residual nondeterminism: Trio delivers a cancellation to the tasks of a cancel scope in ``set``

@@ -22,7 +22,7 @@ TIMEOUT_S = 60
 
 def worker_env(**variables: str) -> dict[str, str]:
     """This process's environment without its ``LMPREFETCH_*`` variables (a worker refuses
-    those it does not know, such as the suite's own ``LMPREFETCH_FUZZ_SCALE``), plus
+    those it does not know, a user's exported settings), plus
     ``variables``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPREFETCH_")}
     return {**env, **variables}

@@ -8,7 +8,7 @@ Redis commands).  The command line ends with exit status 0 or 2 (or 1, never her
 status 2 prints exactly one line and no traceback.  Nothing real starts:
 ``WorkerRuntime.start`` and the benchmarks' runs are replaced by a stub that records the call.
 
-Example counts are modest; ``LMPREFETCH_FUZZ_SCALE`` multiplies them.
+Example counts are modest; ``LMPF_FUZZ_SCALE`` multiplies them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lmprefetch import PrefetchConfig, cli
 from .fuzz.frames import weighted
 from .fuzz.targets import FIELDS, assert_names_what_to_fix, assert_usable, toml_keys
 
-SCALE = float(os.environ.get("LMPREFETCH_FUZZ_SCALE", "1"))
+SCALE = float(os.environ.get("LMPF_FUZZ_SCALE", "1"))
 
 
 def fuzz_settings(examples: int) -> settings:

@@ -21,7 +21,7 @@ from lmprefetch.tiers import chunkfile
 from .fuzz.frames import mutated, weighted
 from .fuzz.targets import CHUNK_KEY, CHUNK_SLOT_BYTES, check_chunk_file, check_chunk_name
 
-SCALE = float(os.environ.get("LMPREFETCH_FUZZ_SCALE", "1"))
+SCALE = float(os.environ.get("LMPF_FUZZ_SCALE", "1"))
 
 
 def fuzz_settings(examples: int) -> settings:

@@ -4,7 +4,7 @@ The frames come from ``tests/fuzz/frames.py`` (raw msgpack built byte by byte: e
 every field, edge integers, invalid UTF-8, lying lengths, nesting up to 100,000 deep, mutated
 valid frames); the checks from ``tests/fuzz/targets.py``, which the coverage-guided fuzzer
 (``nox -s fuzz``) shares.  Example counts are modest here so the suite stays fast; set
-``LMPREFETCH_FUZZ_SCALE`` (a factor, e.g. 50) to run more.
+``LMPF_FUZZ_SCALE`` (a factor, e.g. 50) to run more.
 
 Real sockets (abstract ipc), real clock; every wait is on a socket or the client's condition
 under a deadline, never a sleep.
@@ -66,7 +66,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 LIMIT_S = 60.0  # a deadline that only a lost message reaches
-SCALE = float(os.environ.get("LMPREFETCH_FUZZ_SCALE", "1"))
+SCALE = float(os.environ.get("LMPF_FUZZ_SCALE", "1"))
 
 
 def fuzz_settings(examples: int) -> settings:

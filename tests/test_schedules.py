@@ -2,9 +2,9 @@
 
 * ``test_explore_quick`` runs every scenario under two seeds, disturbed after every step (one
   disturbance per step, in turn): the quick pass of the default suite.
-* ``test_explore_deep`` runs ``LMPREFETCH_SCHEDULE_SEEDS`` seeds with every disturbance after
+* ``test_explore_deep`` runs ``LMPF_SCHEDULE_SEEDS`` seeds with every disturbance after
   every step (``nox -s schedules``; skipped otherwise).
-* ``test_replay`` replays one schedule named by ``LMPREFETCH_SCHEDULE=scenario:seed:step:name``
+* ``test_replay`` replays one schedule named by ``LMPF_SCHEDULE=scenario:seed:step:name``
   (what a violation report prints).
 * The ``test_bites_*`` tests break the engine on purpose and require the explorer to report a
   violation whose seed and step replay it.
@@ -39,12 +39,12 @@ def test_explore_quick() -> None:
 
 
 @pytest.mark.skipif(
-    not os.environ.get("LMPREFETCH_SCHEDULE_SEEDS"),
-    reason="the deep pass runs in nox -s schedules (LMPREFETCH_SCHEDULE_SEEDS=N)",
+    not os.environ.get("LMPF_SCHEDULE_SEEDS"),
+    reason="the deep pass runs in nox -s schedules (LMPF_SCHEDULE_SEEDS=N)",
 )
 @pytest.mark.parametrize("name", [s.name for s in schedules.scenarios()])
 def test_explore_deep(name: str) -> None:
-    seeds = range(int(os.environ["LMPREFETCH_SCHEDULE_SEEDS"]))
+    seeds = range(int(os.environ["LMPF_SCHEDULE_SEEDS"]))
     result = schedules.explore(
         [schedules.by_name(name)], seeds, every_disturbance=True, stop_after=20
     )
@@ -53,11 +53,11 @@ def test_explore_deep(name: str) -> None:
 
 
 @pytest.mark.skipif(
-    not os.environ.get("LMPREFETCH_SCHEDULE"),
-    reason="set LMPREFETCH_SCHEDULE=scenario:seed:step:disturbance to replay one schedule",
+    not os.environ.get("LMPF_SCHEDULE"),
+    reason="set LMPF_SCHEDULE=scenario:seed:step:disturbance to replay one schedule",
 )
 def test_replay() -> None:
-    name, seed, step, disturbance = os.environ["LMPREFETCH_SCHEDULE"].split(":")
+    name, seed, step, disturbance = os.environ["LMPF_SCHEDULE"].split(":")
     k = None if step == "None" else int(step)
     report = schedules.run_once(
         schedules.by_name(name), int(seed), k, None if disturbance == "None" else disturbance

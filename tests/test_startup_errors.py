@@ -46,7 +46,7 @@ def worker_args(*extra: str) -> list[str]:
 
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``lmprefetch args`` with ``env`` for its ``LMPREFETCH_*`` variables (this process's own,
-    such as the suite's ``LMPREFETCH_FUZZ_SCALE``, are left out: a worker refuses them)."""
+    a developer's exported settings, are left out)."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("LMPREFETCH_")}
     return subprocess.run(
         [*CLI, *args],
