@@ -140,6 +140,28 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: The longest backoff after repeated Redis failures.
     redis_backoff_max_s: float = 30.0
 
+    # -- Mooncake tier ----------------------------------------------------------------
+    #: ``host:port`` of a running ``mooncake_master`` (its RPC port); ``None`` disables the
+    #: Mooncake tier.  Probed after the disk and Redis tiers; shared by every engine that
+    #: points at the same master.  Needs the ``mooncake`` extra.
+    mooncake_master: str | None = None
+    #: Where Mooncake clients find each other's memory: ``P2PHANDSHAKE`` (no server: peers
+    #: exchange it directly), ``http://host:port/metadata`` (the master's
+    #: ``--enable_http_metadata_server``), or an etcd or Redis address.
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    #: Mooncake's transfer protocol: ``tcp`` or ``rdma``.
+    mooncake_protocol: str = "tcp"
+    #: The address other Mooncake clients reach this worker at: its address on the network
+    #: the workers share (``127.0.0.1`` serves one machine only).
+    mooncake_local_hostname: str = "127.0.0.1"
+    #: Memory this worker gives Mooncake's pool: chunks (its own and other workers') live in
+    #: it and go when the worker stops.  0 for the standalone-store deployment, where a
+    #: ``mooncake_client`` process holds the pool.
+    mooncake_segment_bytes: int = 1 * GiB
+    #: Deadline of one Mooncake call; it also sets Mooncake's own RPC and transfer timeouts
+    #: (at most 10 s: Mooncake waits on a transfer batch for a fixed 60 s at most).
+    mooncake_timeout_s: float = 1.0
+
     # -- transport --------------------------------------------------------------------
     #: ZeroMQ high-water mark (messages) on every lookup socket.
     socket_hwm: int = 10_000
@@ -231,7 +253,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """Build a config from ``LMPREFETCH_<FIELD>`` variables (e.g. ``LMPREFETCH_CHUNK_SIZE``).
 
         ``LMPREFETCH_CONFIG`` names a TOML file read first; single variables override it.
-        An empty value for an optional field (``disk_path``, ``redis_url``) means ``None``.
+        An empty value for an optional field (``disk_path``, ``redis_url``,
+        ``mooncake_master``) means ``None``.
 
         Raises:
             ValueError: a variable with the prefix names no field (a typo must not be
@@ -281,7 +304,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return msgspec.structs.asdict(self)
 
 
-_OPTIONAL_FIELDS = frozenset({"disk_path", "redis_url"})
+_OPTIONAL_FIELDS = frozenset({"disk_path", "redis_url", "mooncake_master"})
 
 
 def _shown(name: object) -> str:
@@ -455,3 +478,53 @@ def _validate(c: PrefetchConfig) -> None:
                 raise ValueError(
                     f"redis_url: each entry must start with redis:// or rediss://, got {url!r}"
                 )
+    _validate_mooncake(c)
+
+
+#: ``mooncake_protocol`` values (the transports of Mooncake's non-CUDA build).
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+_MOONCAKE_SEGMENT_MAX = 1 << 48  # 256 TiB
+_MOONCAKE_TIMEOUT_MAX_S = 10.0
+
+
+def _validate_mooncake(c: PrefetchConfig) -> None:
+    """The ``mooncake_*`` fields (one block, so that it moves as one)."""
+    _check_type("mooncake_master", c.mooncake_master, (str,), allow_none=True)
+    for name in ("mooncake_metadata_server", "mooncake_protocol", "mooncake_local_hostname"):
+        _check_type(name, getattr(c, name), (str,))
+    _check_type("mooncake_segment_bytes", c.mooncake_segment_bytes, (int,))
+    _check_type("mooncake_timeout_s", c.mooncake_timeout_s, (float, int))
+    for name in (
+        "mooncake_master",
+        "mooncake_metadata_server",
+        "mooncake_protocol",
+        "mooncake_local_hostname",
+    ):
+        value = getattr(c, name)
+        if value is None:
+            continue
+        if not _is_utf8(value):
+            raise ValueError(f"{name}: must be valid UTF-8 text, got {value!r}")
+        if not value or any(ch.isspace() for ch in value) or not value.isprintable():
+            raise ValueError(f"{name}: must be non-empty, without spaces, got {value!r}")
+    if c.mooncake_master is not None:
+        host, sep, port = c.mooncake_master.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"mooncake_master: expected host:port of mooncake_master's RPC service, "
+                f"got {c.mooncake_master!r}"
+            )
+    if c.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+        raise ValueError(
+            f"mooncake_protocol: must be one of {MOONCAKE_PROTOCOLS}, got {c.mooncake_protocol!r}"
+        )
+    if not 0 <= c.mooncake_segment_bytes <= _MOONCAKE_SEGMENT_MAX:
+        raise ValueError(
+            f"mooncake_segment_bytes: must be 0 (contribute no memory) to "
+            f"{_MOONCAKE_SEGMENT_MAX}, got {c.mooncake_segment_bytes}"
+        )
+    if not 0 < c.mooncake_timeout_s <= _MOONCAKE_TIMEOUT_MAX_S:  # also rejects NaN
+        raise ValueError(
+            f"mooncake_timeout_s: must be a positive number of seconds, at most "
+            f"{_MOONCAKE_TIMEOUT_MAX_S:.0f}, got {c.mooncake_timeout_s!r}"
+        )

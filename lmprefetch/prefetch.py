@@ -1022,9 +1022,10 @@ async def open_engine(
 ) -> AsyncIterator[Engine]:
     """Open one rank's engine: arena, tiers, and the nursery its lookups run in.
 
-    ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis), in order; those
-    that are a :class:`~lmprefetch.tiers.base.WriteBehindTier` (``enqueue_write`` and
-    ``flush``) also get write-behind copies of stored chunks.  The engine does not close them.
+    ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis, Mooncake), in
+    order; those that are a :class:`~lmprefetch.tiers.base.WriteBehindTier` (``enqueue_write``
+    and ``flush``) also get write-behind copies of stored chunks.  The engine does not close
+    them.
 
     ``kv_events`` turns on KV events (:mod:`lmprefetch.events`; ``config.kv_events = False``
     keeps them off): ``"chunks"`` starts the stream with ``AllBlocksCleared`` and announces
@@ -1039,7 +1040,8 @@ async def open_engine(
         TypeError: ``config`` is not a :class:`PrefetchConfig`.
         ValueError: a setting this machine cannot honour, naming it: ``rank`` out of range,
             ``cpu_bytes`` more than the machine's memory, ``disk_path`` not a writable
-            directory, ``redis_url`` without the ``redis`` extra installed.
+            directory, ``redis_url`` without the ``redis`` extra installed (or
+            ``mooncake_master`` without the ``mooncake`` extra).
     """
     if not isinstance(config, PrefetchConfig):
         raise TypeError(f"config: expected PrefetchConfig, got {type(config).__name__}")
@@ -1054,6 +1056,10 @@ async def open_engine(
                 "redis_url: the Redis tier needs the redis extra: "
                 "python -m pip install 'lmprefetch[redis]'"
             ) from None
+    if config.mooncake_master is not None:
+        from .tiers.mooncake import check_installed
+
+        check_installed()  # ValueError naming the extra
     try:
         arena = Arena(config.slot_bytes, config.arena_slots, backend=config.buffer_backend)
     except (MemoryError, OSError) as exc:
@@ -1100,6 +1106,12 @@ async def open_engine(
                     )
                 )
                 tiers.append(remote)
+            if config.mooncake_master is not None:
+                from .tiers.mooncake import open_mooncake_tier_from_config
+
+                tiers.append(await stack.enter_async_context(
+                    open_mooncake_tier_from_config(config, arena)
+                ))  # fmt: skip
             tiers.extend(extra_tiers)
             tracker = _open_tracker(config, rank, world_size, kv_events, tiers)
             async with trio.open_nursery() as nursery:
