@@ -487,6 +487,27 @@ _MOONCAKE_SEGMENT_MAX = 1 << 48  # 256 TiB
 _MOONCAKE_TIMEOUT_MAX_S = 10.0
 
 
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        ValueError: not a host and a port in 1..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdigit())
+        or not 0 < int(port) < 65536
+        or any(ch.isspace() or ch in "/[]" for ch in host)
+        or not host.isprintable()
+    ):
+        raise ValueError(f"expected host:port (mooncake_master's RPC service), got {address!r}")
+    return host, int(port)
+
+
 def _validate_mooncake(c: PrefetchConfig) -> None:
     """The ``mooncake_*`` fields (one block, so that it moves as one)."""
     _check_type("mooncake_master", c.mooncake_master, (str,), allow_none=True)
@@ -508,12 +529,10 @@ def _validate_mooncake(c: PrefetchConfig) -> None:
         if not value or any(ch.isspace() for ch in value) or not value.isprintable():
             raise ValueError(f"{name}: must be non-empty, without spaces, got {value!r}")
     if c.mooncake_master is not None:
-        host, sep, port = c.mooncake_master.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"mooncake_master: expected host:port of mooncake_master's RPC service, "
-                f"got {c.mooncake_master!r}"
-            )
+        try:
+            parse_host_port(c.mooncake_master)
+        except ValueError as exc:
+            raise ValueError(f"mooncake_master: {exc}") from None
     if c.mooncake_protocol not in MOONCAKE_PROTOCOLS:
         raise ValueError(
             f"mooncake_protocol: must be one of {MOONCAKE_PROTOCOLS}, got {c.mooncake_protocol!r}"

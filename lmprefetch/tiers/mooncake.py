@@ -86,17 +86,15 @@ import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import trio
 
+from ..config import PrefetchConfig, parse_host_port
 from ..keys import ChunkKey
 from ..memory import Arena, Buffer
 from .base import BaseTier
 from .writebehind import WriteBehindQueue, WriteEntry
-
-if TYPE_CHECKING:
-    from ..config import PrefetchConfig
 
 __all__ = [
     "KEY_PREFIX",
@@ -105,7 +103,6 @@ __all__ = [
     "mooncake_key",
     "open_mooncake_tier",
     "open_mooncake_tier_from_config",
-    "parse_master_address",
 ]
 
 log = logging.getLogger(__name__)
@@ -145,9 +142,10 @@ DEFAULT_THREADS: Final = 4
 DEFAULT_WRITE_QUEUE: Final = 1024
 #: How long closing waits for queued writes, then for threads, then for the client's teardown.
 CLOSE_TIMEOUT_S: Final = 10.0
-#: Setting a client up connects to the master and mounts the segment: it gets this long on
-#: top of ``timeout_s`` (against a master that is down, Mooncake spends about 4.5 s on it).
-CONNECT_SLACK_S: Final = 10.0
+#: Opening the tier waits this long on top of ``timeout_s`` for a client to be set up (it
+#: connects to the master and mounts the segment; against a master that is down, Mooncake
+#: spends about 4.5 s on it); past it the tier opens without one and sets it up meanwhile.
+CONNECT_SLACK_S: Final = 5.0
 #: The longest :meth:`MooncakeTier.remove` waits for readers' leases on the object to end.
 REMOVE_LEASE_WAIT_S: Final = 15.0
 _REMOVE_POLL_S: Final = 0.05
@@ -156,22 +154,6 @@ _REMOVE_POLL_S: Final = 0.05
 def mooncake_key(key: ChunkKey) -> str:
     """The Mooncake object key ``key`` is stored under."""
     return KEY_PREFIX + key.to_string()
-
-
-def parse_master_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``.
-
-    Raises:
-        ValueError: not a host and a port in 1..65535.
-    """
-    host, sep, port = address.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port (the master's RPC address), got {address!r}")
-    if any(ch.isspace() for ch in host) or "/" in host:
-        raise ValueError(f"expected host:port (the master's RPC address), got {address!r}")
-    return host, int(port)
 
 
 def _code(rc: int) -> str:
@@ -294,7 +276,7 @@ class MooncakeTier(BaseTier):
         store_factory: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__()
-        parse_master_address(master)
+        parse_host_port(master)
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
         if threads < 1 or write_queue < 1:
@@ -318,6 +300,7 @@ class MooncakeTier(BaseTier):
         # closed meanwhile (then the thread closes it itself).
         self._lock = threading.Lock()
         self._store: Any = None
+        self._connected = trio.Event()  # set on the Trio thread once a client is set up
         self._arenas: list[Arena] = []  # registered (to be registered) with every client
         self._registered: dict[int, Arena] = {}  # id(arena) -> arena, on the current client
         self._closed = False
@@ -333,6 +316,10 @@ class MooncakeTier(BaseTier):
     def connected(self) -> bool:
         """A client is set up (the master may still be down: calls then fail and back off)."""
         return self._store is not None
+
+    async def wait_connected(self) -> None:
+        """Wait until a client is set up (the tier's own task keeps trying meanwhile)."""
+        await self._connected.wait()
 
     @property
     def backing_off(self) -> bool:
@@ -424,22 +411,27 @@ class MooncakeTier(BaseTier):
             store.close()
             raise
 
-    async def connect(self, *, deadline_s: float | None = None) -> bool:
-        """Set a client up (in a worker thread): ``True`` once one is, ``False`` (and a
-        backoff) when it cannot be, within ``timeout_s + CONNECT_SLACK_S``.  Never raises for
-        an unreachable master.
+    async def connect(self, *, deadline_s: float = math.inf) -> bool:
+        """Set a client up (in a worker thread): ``True`` once one is.  ``False`` (and a
+        backoff) when setting up failed; ``False`` (no backoff) when ``deadline_s`` passed
+        first, the attempt going on in its thread.  Never raises for an unreachable master.
+
+        A setup is one attempt at a time: a call made while an earlier, abandoned attempt still
+        runs waits for it (and returns ``True`` at once if it succeeded).
 
         Cancellation (or the deadline) abandons the thread: it touches no arena memory, and if
         it sets a client up after all, it publishes it (or closes it, once the tier closed)."""
-        if self._store is not None:
+        if self._store is not None or self._closed:
             await trio.lowlevel.checkpoint()
-            return True
-        if self._closed:
-            await trio.lowlevel.checkpoint()
-            return False
+            return self._store is not None
         _set_mooncake_timeouts(self._timeout_s)
-        limit = self._timeout_s + CONNECT_SLACK_S if deadline_s is None else deadline_s
-        with trio.move_on_after(limit):
+        connected = await self._try_set_up(deadline_s)
+        if connected:
+            self._connected.set()
+        return connected
+
+    async def _try_set_up(self, deadline_s: float) -> bool:
+        with trio.move_on_after(deadline_s):
             try:
                 await trio.to_thread.run_sync(
                     self._set_up, abandon_on_cancel=True, limiter=self._setup_limiter
@@ -447,19 +439,20 @@ class MooncakeTier(BaseTier):
             except Exception as exc:
                 self._failed(f"setting up a client of {self.master}", exc)
                 return False
+            if self._store is None:  # the tier closed meanwhile
+                return False
             self._succeeded()
             log.info("mooncake tier: connected to %s", self.master)
             return True
-        if self._store is not None:  # the thread got there as the deadline passed
-            return True
-        self._failed(f"setting up a client of {self.master}", f"no answer within {limit:.3g} s")
-        return False
+        log.info("mooncake tier: no client of %s yet after %.3g s; still trying", self.master,
+                 deadline_s)  # fmt: skip
+        return self._store is not None
 
     async def run_connector(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Until a client is set up: wait out the backoff, try again (runs until cancelled
-        or connected)."""
+        or connected).  Each attempt is bounded by Mooncake's own timeouts."""
         task_status.started()
         while self._store is None and not self._closed:
             await trio.sleep_until(max(self._retry_at, trio.current_time()))
@@ -867,7 +860,7 @@ async def open_mooncake_tier(
     if arena is not None:
         tier.add_arena(arena)
     try:
-        await tier.connect()
+        await tier.connect(deadline_s=timeout_s + CONNECT_SLACK_S)
         async with trio.open_nursery() as nursery:
             await nursery.start(tier.run_writer)
             await nursery.start(tier.run_connector)
