@@ -379,7 +379,7 @@ class MooncakeTier(BaseTier):
     def _set_up(self) -> None:
         """(Worker thread.)  Make a client, set it up, register the arenas and publish it.
         The client is closed here if anything fails or the tier closed meanwhile."""
-        if self._store is not None:  # an earlier attempt, abandoned at its deadline, got there
+        if self._store is not None or self._closed:  # an earlier attempt got there, or closed
             return
         store = self._factory()
         try:
@@ -403,13 +403,14 @@ class MooncakeTier(BaseTier):
                 if rc != 0:
                     raise _SetupFailed(f"register_buffer of the arena returned {_code(rc)}")
             with self._lock:
-                if self._closed:
-                    raise _SetupFailed("the tier closed")
-                self._store = store
-                self._registered = {id(a): a for a in arenas}
+                if not self._closed:
+                    self._store = store
+                    self._registered = {id(a): a for a in arenas}
+                    return
         except BaseException:
             store.close()
             raise
+        store.close()  # the tier closed meanwhile: nobody will use this client
 
     async def connect(self, *, deadline_s: float = math.inf) -> bool:
         """Set a client up (in a worker thread): ``True`` once one is.  ``False`` (and a
