@@ -154,9 +154,9 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: The address other Mooncake clients reach this worker at: its address on the network
     #: the workers share (``127.0.0.1`` serves one machine only).
     mooncake_local_hostname: str = "127.0.0.1"
-    #: Memory this worker gives Mooncake's pool: chunks (its own and other workers') live in
-    #: it and go when the worker stops.  0 for the standalone-store deployment, where a
-    #: ``mooncake_client`` process holds the pool.
+    #: Memory this worker gives Mooncake's pool (0, or at least 16 MiB): chunks (its own and
+    #: other workers') live in it and go when the worker stops.  0 for the standalone-store
+    #: deployment, where a ``mooncake_client`` process holds the pool.
     mooncake_segment_bytes: int = 1 * GiB
     #: Deadline of one Mooncake call; it also sets Mooncake's own RPC and transfer timeouts
     #: (at most 10 s: Mooncake waits on a transfer batch for a fixed 60 s at most).
@@ -483,6 +483,8 @@ def _validate(c: PrefetchConfig) -> None:
 
 #: ``mooncake_protocol`` values (the transports of Mooncake's non-CUDA build).
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+#: The smallest segment Mooncake accepts (a smaller one fails the client's setup).
+MOONCAKE_SEGMENT_MIN = 16 * MiB
 _MOONCAKE_SEGMENT_MAX = 1 << 48  # 256 TiB
 _MOONCAKE_TIMEOUT_MAX_S = 10.0
 
@@ -537,10 +539,12 @@ def _validate_mooncake(c: PrefetchConfig) -> None:
         raise ValueError(
             f"mooncake_protocol: must be one of {MOONCAKE_PROTOCOLS}, got {c.mooncake_protocol!r}"
         )
-    if not 0 <= c.mooncake_segment_bytes <= _MOONCAKE_SEGMENT_MAX:
+    segment = c.mooncake_segment_bytes
+    if segment != 0 and not MOONCAKE_SEGMENT_MIN <= segment <= _MOONCAKE_SEGMENT_MAX:
         raise ValueError(
-            f"mooncake_segment_bytes: must be 0 (contribute no memory) to "
-            f"{_MOONCAKE_SEGMENT_MAX}, got {c.mooncake_segment_bytes}"
+            f"mooncake_segment_bytes: must be 0 (contribute no memory) or "
+            f"{MOONCAKE_SEGMENT_MIN} (16 MiB, Mooncake's least) to {_MOONCAKE_SEGMENT_MAX}, "
+            f"got {segment}"
         )
     if not 0 < c.mooncake_timeout_s <= _MOONCAKE_TIMEOUT_MAX_S:  # also rejects NaN
         raise ValueError(

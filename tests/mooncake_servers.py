@@ -117,13 +117,15 @@ class _Process:
         self.log = bytearray()
         self._changed = threading.Condition()
         self._paused = False
+        self._drainer: threading.Thread | None = None
 
     def _spawn(self, argv: list[str]) -> None:
         self.log.clear()
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, args=(self.proc,), daemon=True)
+        self._drainer.start()
 
     def _drain(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
@@ -154,6 +156,12 @@ class _Process:
                     f"(exit status {proc.poll()}):\n{self.log.decode(errors='replace')[-3000:]}"
                 )
 
+    def _reaped(self) -> None:
+        self.proc = None
+        if self._drainer is not None:  # it ends at the end of the output
+            self._drainer.join(STARTUP_TIMEOUT_S)
+            self._drainer = None
+
     @property
     def pid(self) -> int:
         assert self.proc is not None
@@ -168,7 +176,7 @@ class _Process:
             self.resume()
         proc.kill()
         proc.wait(timeout=STARTUP_TIMEOUT_S)
-        self.proc = None
+        self._reaped()
 
     def pause(self) -> None:
         """SIGSTOP: the process keeps its sockets (connections are accepted) but never
@@ -195,7 +203,7 @@ class _Process:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        self.proc = None
+        self._reaped()
 
 
 def _wait_accepting(port: int, timeout_s: float) -> None:

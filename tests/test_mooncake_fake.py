@@ -328,8 +328,10 @@ def test_bad_settings_are_value_errors() -> None:
             MooncakeTier(master)
     with pytest.raises(ValueError, match="timeout_s"):
         MooncakeTier("h:1", timeout_s=0)
-    with pytest.raises(ValueError, match="segment_bytes"):
-        MooncakeTier("h:1", segment_bytes=-1)
+    for segment in (-1, 1, (16 << 20) - 1):
+        with pytest.raises(ValueError, match="segment_bytes"):
+            MooncakeTier("h:1", segment_bytes=segment)
+    MooncakeTier("h:1", segment_bytes=16 << 20)
 
 
 # -- in the engine ------------------------------------------------------------------------------

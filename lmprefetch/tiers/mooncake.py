@@ -90,7 +90,7 @@ from typing import Any, Final, TypeVar
 
 import trio
 
-from ..config import PrefetchConfig, parse_host_port
+from ..config import MOONCAKE_SEGMENT_MIN, PrefetchConfig, parse_host_port
 from ..keys import ChunkKey
 from ..memory import Arena, Buffer
 from .base import BaseTier
@@ -281,8 +281,11 @@ class MooncakeTier(BaseTier):
             raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
         if threads < 1 or write_queue < 1:
             raise ValueError("threads and write_queue must be at least 1")
-        if segment_bytes < 0:
-            raise ValueError(f"segment_bytes: must be 0 or more, got {segment_bytes}")
+        if segment_bytes != 0 and segment_bytes < MOONCAKE_SEGMENT_MIN:
+            raise ValueError(
+                f"segment_bytes: must be 0 or at least {MOONCAKE_SEGMENT_MIN} (Mooncake's "
+                f"least), got {segment_bytes}"
+            )
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError("backoff: need 0 < backoff_initial_s <= backoff_max_s")
         self.master = master.strip()
