@@ -8,7 +8,8 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
                       "gen_tok_per_s": …, "hit_tokens": …, "hit_tokens_metrics": …,
                       "speedup_vs_recompute": …, "speedup_vs_apc": …, "chat": {…}, …},
         "apc": {…}, "lmprefetch_cpu": {…, "probe": {…}}, "lmprefetch_disk_restart": {…},
-        "shared_redis": {…}, "lmcache": {… or "error": "…"}, "lmcache_mp": {…}},
+        "shared_redis": {…}, "shared_mooncake": {…}, "lmcache": {… or "error": "…"},
+        "lmcache_mp": {…}},
      "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
 
@@ -276,6 +277,7 @@ def format_report(summary: dict[str, Any]) -> str:
             "cpu": "CPU, vLLM cache reset",
             "disk": "disk, server restarted",
             "redis": "Redis, other server",
+            "mooncake": "Mooncake, other server",
         }
         for name, p in probes:
             apc, tier = p["apc_hit"], p["tier_hit"]
