@@ -656,3 +656,17 @@ async def test_metrics_carry_the_mooncake_tier_label(mooncake_master: MooncakeMa
     line = 'lmprefetch_tier_stored_bytes_total{rank="0",tier="mooncake",world_size="1"} 30.0'
     assert line in text, text
     assert 'lmprefetch_tier_errors_total{rank="0",tier="mooncake",world_size="1"} 0.0' in text
+
+
+# -- the benchmark example runs -------------------------------------------------------------------
+def test_bench_mooncake_example_runs(tmp_path: Path) -> None:
+    out = tmp_path / "fig.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "bench_mooncake.py"), "--chunks", "4",
+         "--chunk-bytes", "65536", "--repeat", "2", "--rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "ratio engine / direct" in done.stdout, done.stdout
+    fig = json.loads(out.read_text())
+    assert fig["samples"] == 2 and fig["engine_gbps"] > 0 and fig["direct_gbps"] > 0
