@@ -1,7 +1,7 @@
 """The Mooncake Store tier: chunks in a Mooncake distributed store, shared by every engine
 pointed at the same ``mooncake_master``.
 
-`Mooncake Store <https://github.com/kvcache-ai/Mooncake>`_ keeps objects in memory that its
+Mooncake Store (https://github.com/kvcache-ai/Mooncake) keeps objects in memory that its
 clients contribute ("segments"), indexed by one master process; a client reads and writes other
 clients' segments directly over TCP (or RDMA).  Every engine with this tier is such a client: it
 may contribute ``segment_bytes`` of its own memory to the pool (0 for the standalone-store
