@@ -305,21 +305,26 @@ async def test_a_setup_finishing_after_the_close_closes_its_client(arena: Arena)
         assert client.closed and not tier.connected
 
 
-def test_timeouts_go_to_mooncake_only_where_the_environment_is_silent(
+def test_timeouts_and_address_go_to_mooncake_only_where_the_environment_is_silent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import os
+
     for name in ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC",
-                 "MC_TCP_STATUS_TIMEOUT_SEC", "MC_STORE_CLIENT_SETUP_RETRIES"):  # fmt: skip
+                 "MC_TCP_STATUS_TIMEOUT_SEC", "MC_STORE_CLIENT_SETUP_RETRIES",
+                 "MC_TCP_BIND_ADDRESS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "9")
-    mooncake_module._set_mooncake_timeouts(1.5)
-    import os
+    mooncake_module._set_mooncake_environment(1.5, "P2PHANDSHAKE", "10.0.0.7")
+    assert "MC_TCP_BIND_ADDRESS" not in os.environ  # the handshake advertises local_hostname
 
     assert os.environ["MC_RPC_TIMEOUT_MS"] == "1500"
     assert os.environ["MC_RPC_CONNECT_TIMEOUT_MS"] == "1500"
     assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"  # the operator's
     assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "2"  # whole seconds, rounded up
     assert os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] == "1"
+    mooncake_module._set_mooncake_environment(1.5, "http://h:1/metadata", "10.0.0.7")
+    assert os.environ["MC_TCP_BIND_ADDRESS"] == "10.0.0.7"  # what a metadata server advertises
 
 
 def test_bad_settings_are_value_errors() -> None:

@@ -224,6 +224,31 @@ async def test_two_tiers_share_chunks(mooncake_master: MooncakeMaster) -> None:
         a.close()
 
 
+async def test_http_metadata_server_instead_of_the_handshake() -> None:
+    """The other metadata option the docs give: the master's built-in HTTP metadata server."""
+    master = MooncakeMaster(lease_ttl_ms=1000, http_metadata=True).start()
+    keys = make_keys(6, seed=131)
+    payloads = make_payloads(6, seed=132, size=3000)
+    arena_a, arena_b = Arena(SLOT_BYTES, 16), Arena(SLOT_BYTES, 16)
+    try:
+        with trio.fail_after(TEST_DEADLINE_S):
+            meta = master.metadata_url
+            async with (
+                tier_on(master.address, arena_a, metadata_server=meta) as writer,
+                tier_on(master.address, arena_b, metadata_server=meta, segment_bytes=0) as reader,
+            ):
+                await connected(writer)
+                await connected(reader)
+                await store_all(writer, arena_a, keys, payloads)
+                assert await reader.contains_prefix(keys, pin=False) == 6
+                assert await load_all(reader, arena_b, keys) == payloads
+    finally:
+        master.kill()
+    for a in (arena_a, arena_b):
+        assert a.free_slots == a.num_slots
+        a.close()
+
+
 # -- faults ---------------------------------------------------------------------------------------
 class Gate:
     """Hold the tier's get-into calls (in their worker threads) from the ``hold_from``-th on,

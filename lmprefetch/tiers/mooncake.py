@@ -160,19 +160,27 @@ def _code(rc: int) -> str:
     return f"{rc} ({_CODE_NAMES.get(rc, 'error')})"
 
 
-def _set_mooncake_timeouts(timeout_s: float) -> None:
-    """Bound Mooncake's own waits by ``timeout_s`` (see the module docstring), where the
-    environment does not set them already.  Process-wide: the first tier of a process sets
-    them, before its first client exists, and Mooncake reads them as its clients connect."""
+def _set_mooncake_environment(timeout_s: float, metadata_server: str, local_host: str) -> None:
+    """Bound Mooncake's own waits by ``timeout_s`` (see the module docstring), and give it the
+    address to advertise, where the environment does not set them already.  Process-wide: the
+    first tier of a process sets them, before its first client exists, and Mooncake reads them
+    as its clients connect.
+
+    (With a metadata server, Mooncake's transfer engine ignores the local hostname and
+    advertises the first non-loopback address of the machine, or ``MC_TCP_BIND_ADDRESS``: so
+    that ``local_hostname`` means the same in both modes, it goes there.)"""
     ms = str(max(1, round(timeout_s * 1000)))
     seconds = str(max(1, math.ceil(timeout_s)))
-    for name, value in (
+    settings = [
         ("MC_RPC_TIMEOUT_MS", ms),
         ("MC_RPC_CONNECT_TIMEOUT_MS", ms),
         ("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds),
         ("MC_TCP_STATUS_TIMEOUT_SEC", seconds),
         ("MC_STORE_CLIENT_SETUP_RETRIES", "1"),
-    ):
+    ]
+    if metadata_server != "P2PHANDSHAKE":
+        settings.append(("MC_TCP_BIND_ADDRESS", local_host))
+    for name, value in settings:
         if name not in os.environ:
             os.environ[name] = value
 
@@ -428,7 +436,12 @@ class MooncakeTier(BaseTier):
         if self._store is not None or self._closed:
             await trio.lowlevel.checkpoint()
             return self._store is not None
-        _set_mooncake_timeouts(self._timeout_s)
+        host = (
+            self.local_hostname.rpartition(":")[0]
+            if self.local_hostname.count(":") == 1
+            else self.local_hostname
+        )
+        _set_mooncake_environment(self._timeout_s, self.metadata_server, host)
         connected = await self._try_set_up(deadline_s)
         if connected:
             self._connected.set()
