@@ -269,7 +269,7 @@ def format_report(summary: dict[str, Any]) -> str:
             "vLLM's own prefix-cache hit; ratio = median over the pairs.",
             "Where the time goes (vLLM's histograms): queue = arrival to first step (incl. the "
             "connector's lookup), prefill = first step to first token (incl. the KV load).",
-            f"  {'scenario (tier, how)':<38}{'cold':>9}{'tier hit':>10}{'vLLM hit':>10}"
+            f"  {'scenario (tier, how)':<42}{'cold':>9}{'tier hit':>10}{'vLLM hit':>10}"
             f"{'ratio':>7}  {'tier hit: queue+prefill':<25}{'vLLM hit: queue+prefill':<25}"
             "tokens from the tier",
         ]
@@ -284,7 +284,7 @@ def format_report(summary: dict[str, Any]) -> str:
             served = min(tier["cached_tokens"], default=0)
             label = f"{name} ({how.get(p['kind'], p['kind'])})"
             lines.append(
-                f"  {label:<38}{_ms(p['cold_ttft_ms']):>9}"
+                f"  {label:<42}{_ms(p['cold_ttft_ms']):>9}"
                 f"{_ms(tier['ttft_ms']):>10}{_ms(apc['ttft_ms']):>10}{_x(p['tier_vs_apc']):>7}"
                 f"  {_ms(tier['queue_ms']) + ' + ' + _ms(tier['prefill_ms']):<25}"
                 f"{_ms(apc['queue_ms']) + ' + ' + _ms(apc['prefill_ms']):<25}"
