@@ -399,3 +399,79 @@ def test_mooncake_master_without_the_extra_is_one_line_naming_it(tmp_path: Path)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert "mooncake_master" in lines[0] and "lmprefetch[mooncake]" in lines[0]
+
+
+async def test_a_put_keeps_its_buffer_until_mooncake_has_read_it(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_put_from reads the arena in its thread: the queued write's reference keeps the
+    slot out of the arena until that thread is done, even once the writer is cancelled."""
+    pool = FakePool()
+    [key] = keys_of(1)
+    reached, opened = threading.Event(), threading.Event()
+    real = mooncake_module._put_from
+
+    def gated(*args: Any) -> list[int]:
+        reached.set()
+        assert opened.wait(DEADLINE_S)
+        return real(*args)
+
+    monkeypatch.setattr(mooncake_module, "_put_from", gated)
+    async with fake_tier(pool, arena) as tier:
+        buf = arena.allocate()
+        assert buf is not None
+        buf.write(b"payload")
+        assert tier.enqueue_write(key, buf)
+        buf.release()  # the caller's reference: only the tier's is left
+        assert await trio.to_thread.run_sync(reached.wait, DEADLINE_S)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.aclose)  # cancels nothing: aclose waits for the writes
+            await trio.testing.wait_all_tasks_blocked()
+            assert arena.used_slots == 1  # still the put's
+            opened.set()
+        assert arena.used_slots == 0
+        assert pool.objects == {mooncake_key(key): b"payload"}
+
+
+async def test_a_cancelled_writer_waits_for_the_put_reading_its_buffers(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = FakePool()
+    [key] = keys_of(1)
+    reached, opened = threading.Event(), threading.Event()
+    real = mooncake_module._put_from
+
+    def gated(*args: Any) -> list[int]:
+        reached.set()
+        assert opened.wait(DEADLINE_S)
+        return real(*args)
+
+    monkeypatch.setattr(mooncake_module, "_put_from", gated)
+    tier = MooncakeTier("127.0.0.1:1", store_factory=pool.factory())
+    tier.add_arena(arena)
+    with trio.fail_after(DEADLINE_S):
+        assert await tier.connect()
+        ended = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def writer() -> None:
+                try:
+                    await tier.run_writer()
+                finally:
+                    ended.set()
+
+            nursery.start_soon(writer)
+            buf = arena.allocate()
+            assert buf is not None
+            buf.write(b"payload")
+            assert tier.enqueue_write(key, buf)
+            buf.release()
+            assert await trio.to_thread.run_sync(reached.wait, DEADLINE_S)
+            nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await trio.testing.wait_all_tasks_blocked()
+                assert not ended.is_set()  # the writer waits for its thread
+                assert arena.used_slots == 1
+                opened.set()
+        assert arena.used_slots == 0
+        await tier.aclose()
