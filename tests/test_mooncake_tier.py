@@ -359,14 +359,18 @@ async def test_stopped_master_costs_at_most_the_deadline(
                 await trio.sleep_until(tier.retry_at)
                 t0 = trio.current_time()
                 assert await load_all(tier, arena, keys) == []
-                assert trio.current_time() - t0 < CALL_TIMEOUT_S + 2
+                # Mooncake's RPC timeout (the tier's deadline), not its default of 30 s
+                assert trio.current_time() - t0 < 2 * CALL_TIMEOUT_S
                 assert tier.stats.errors == 2
                 assert len(failure_messages(caplog)) == 2
             finally:
                 mooncake_master.resume()
-            # the master is back: the first call after the backoff succeeds and resets it
-            await trio.sleep_until(tier.retry_at)
-            assert await load_all(tier, arena, keys) == payloads
+            # The master is back.  Mooncake's client may need a call or two to reconnect (it
+            # dropped the connection that timed out): the tier gets there by itself, trying
+            # again each time its backoff ends.
+            while (got := await load_all(tier, arena, keys)) != payloads:
+                assert got == []  # a failed load answers nothing, never other bytes
+                await trio.sleep_until(tier.retry_at)
             assert not tier.backing_off
             await quiesce_threads(tier)  # the abandoned probe has ended too
 
