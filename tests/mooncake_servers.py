@@ -179,11 +179,14 @@ class _Process:
         self._reaped()
 
     def pause(self) -> None:
-        """SIGSTOP: the process keeps its sockets (connections are accepted) but never
-        answers."""
+        """SIGSTOP, and wait until the whole process has stopped (the signal is only queued:
+        its other threads may answer a request meanwhile).  The process keeps its sockets
+        (connections are accepted) but never answers."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
         self._paused = True
+        _, status = os.waitpid(self.proc.pid, os.WUNTRACED)  # our child: reports the stop
+        assert os.WIFSTOPPED(status), status
 
     def resume(self) -> None:
         assert self.proc is not None
