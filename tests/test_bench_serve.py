@@ -298,6 +298,7 @@ def test_scenario_names_are_the_issues() -> None:
         "lmprefetch_cpu",
         "lmprefetch_disk_restart",
         "shared_redis",
+        "shared_mooncake",
         "lmcache",
         "lmcache_mp",
     )

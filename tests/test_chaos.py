@@ -83,3 +83,41 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     assert counters["writes_refused_by_full_disk"] == 2 * 6  # ranks x chunks of the prompt
     assert counters["restarts_on_full_disk"] == 1  # with no free block and no free inode
     assert counters["ballast_bytes"] > 0 and counters["ballast_files"] > 0
+
+
+@pytest.mark.mooncake
+def test_chaos_smoke_with_mooncake(tmp_path: Path) -> None:
+    """The smoke run with the Mooncake tier on every rank (a master and a store process the
+    harness starts, in its own network namespace): everything above still holds, the traffic
+    loads Mooncake-only prompts from Mooncake (every byte checked), and the master is killed
+    once while a lookup's Mooncake load is held (that lookup answers 0, the prompt is served
+    again after the restart) and once blind."""
+    from .mooncake_servers import missing
+
+    problem = missing()
+    if problem is not None:
+        pytest.skip(problem)
+    out = tmp_path / "chaos.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.chaos", "--smoke", "--mooncake", "--seed", "2",
+         "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,  # a hang; a run takes about a minute
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    fig = json.loads(out.read_text())
+    assert fig["violations"] == [] and fig["violation_count"] == 0 and not fig["aborted"]
+    assert fig["wrong_bytes"] == 0
+    assert fig["faults"]["master-targeted"] == 1 and fig["faults"]["master-blind"] == 1
+    counters = fig["counters"]
+    assert counters["master_killed_mid_load"] == 1
+    assert counters["master_restarts"] == 2
+    rank0 = fig["workers"]["0"]
+    assert rank0["mooncake"]["chunks_loaded"] > 0  # the traffic hit Mooncake-only prompts
+    assert rank0["requests_accepted"] == rank0["answers_sent"] == fig["client"]["submitted"]
+    assert fig["traffic"]["wrong_chunks"] == 0
+    assert fig["leaks"] == {
+        "fds": {}, "threads": [], "zmq_threads": {}, "bridge_thread_alive": False,
+    }  # fmt: skip

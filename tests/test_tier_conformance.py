@@ -1,8 +1,9 @@
 """The rules every tier keeps (``lmprefetch/tiers/base.py``), checked on every tier.
 
 One generic suite, parametrised over the CPU tier, the disk tier (real files in ``tmp_path``),
-the Redis tier (a real ``redis-server``, standalone and a 3-node cluster) and the fake tier the
-engine tests use:
+the Redis tier (a real ``redis-server``, standalone and a 3-node cluster), the Mooncake tier (a
+real ``mooncake_master``, in a private network namespace; and on the in-process fake of
+Mooncake's client, everywhere) and the fake tier the engine tests use:
 
 * every async method is a checkpoint (``trio.testing.assert_checkpoints``);
 * a probe or a load cancelled at any step of any of its tasks leaves no pin behind, and a
@@ -36,14 +37,19 @@ import trio.testing
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena, Buffer
 from lmprefetch.tiers import chunkfile
+from lmprefetch.tiers import mooncake as mooncake_module
 from lmprefetch.tiers import redis as redis_module
 from lmprefetch.tiers.base import Tier
 from lmprefetch.tiers.cpu import CpuTier
 from lmprefetch.tiers.disk import DiskTier, open_disk_tier
+from lmprefetch.tiers.mooncake import MooncakeTier, open_mooncake_tier
 from lmprefetch.tiers.redis import open_redis_tier, redis_key
 
 from .checkpoints import Steps, Target, named, quiesce_threads
 from .fakes import FakeTier
+from .mooncake_fake import FakePool
+from .mooncake_servers import MooncakeMaster, needs_mooncake
+from .mooncake_servers import mooncake_master_fixture as mooncake_master_fixture
 from .redis_servers import HAVE_REDIS, RedisCluster, RedisServer, raw_client
 from .redis_servers import redis_cluster_fixture as redis_cluster_fixture
 from .redis_servers import redis_cluster_module_fixture as redis_cluster_module_fixture
@@ -66,6 +72,8 @@ KINDS = [
     "fake",
     pytest.param("redis", marks=redis_marks),
     pytest.param("redis_cluster", marks=redis_marks),
+    pytest.param("mooncake", marks=needs_mooncake),
+    "mooncake_fake",
 ]
 
 
@@ -111,6 +119,10 @@ class Harness:
             await trio.Path(self.path / f"{k.to_string()}.kv").unlink()
         elif isinstance(self.tier, FakeTier):
             del self.tier.data[k]
+        elif isinstance(self.tier, MooncakeTier):
+            # The tier keeps no index: its own remove is as good as another engine's.  (It
+            # waits out the lease a fresh put leaves on the object.)
+            assert await self.tier.remove(k)
         else:
             assert self.url is not None
             await trio.to_thread.run_sync(raw_delete, self.url, redis_key(k))
@@ -130,6 +142,9 @@ class Harness:
             return gate
         if self.kind.startswith("redis"):
             monkeypatch.setattr(redis_module, "_copy_into", gate.wrap(redis_module._copy_into))
+            return gate
+        if self.kind.startswith("mooncake"):  # the get-into thread writes the buffers
+            monkeypatch.setattr(mooncake_module, "_get_into", gate.wrap(mooncake_module._get_into))
             return gate
         return None
 
@@ -172,6 +187,9 @@ def kind_and_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
     if kind == "redis_cluster":
         cluster: RedisCluster = request.getfixturevalue("redis_cluster")
         return kind, cluster.url
+    if kind == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        return kind, master.address
     return kind, None
 
 
@@ -199,6 +217,18 @@ async def opened(kind: str, url: str | None, arena: Arena, path: Path) -> AsyncI
                 str(path), capacity_bytes=1 << 26, read_threads=3, write_queue=256, o_direct=False
             ) as disk:
                 yield Harness(kind, disk, arena, path=path)
+        elif kind.startswith("mooncake"):
+            real = kind == "mooncake"
+            async with open_mooncake_tier(
+                url if real else "127.0.0.1:1",
+                arena=arena,
+                segment_bytes=(16 << 20) if real else 0,
+                timeout_s=10.0,  # the longest the tier allows; Mooncake's own are set apart
+                write_queue=256,
+                store_factory=None if real else FakePool().factory(),
+            ) as mooncake:
+                await mooncake.wait_connected()
+                yield Harness(kind, mooncake, arena, url=url)
         else:
             assert url is not None
             async with open_redis_tier(url, timeout_s=LIMIT_S / 4, threads=4, write_queue=256) as r:

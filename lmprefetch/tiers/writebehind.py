@@ -1,4 +1,4 @@
-"""The write-behind queue shared by the tiers that store slowly (disk, Redis).
+"""The write-behind queue shared by the tiers that store slowly (disk, Redis, Mooncake).
 
 :meth:`Engine.store` puts a chunk in the CPU tier at once and hands the *same arena buffer*
 to every slower tier's :meth:`WriteBehindQueue.put`, which takes its own owner reference and

@@ -38,6 +38,7 @@ import xxhash
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from lmprefetch import PrefetchConfig
+from lmprefetch.config import parse_host_port
 from lmprefetch.keys import ChunkKey
 from lmprefetch.prefetch import Engine
 from lmprefetch.protocol import (
@@ -328,6 +329,10 @@ def assert_usable(config: PrefetchConfig) -> None:
         assert "\x00" not in config.disk_path
     if config.redis_url is not None:
         config.redis_url.encode("utf-8")
+    if config.mooncake_master is not None:  # what the Mooncake tier is given
+        parse_host_port(config.mooncake_master)
+    for text in (config.mooncake_metadata_server, config.mooncake_local_hostname):
+        text.encode("utf-8")
     assert PrefetchConfig.from_dict(config.to_dict()) == config
 
 

@@ -27,10 +27,12 @@ class Scenario:
         connector: ``"lmprefetch"``, ``"lmcache"`` (LMCache's in-process
             ``LMCacheConnectorV1``) or ``"lmcache_mp"`` (LMCache's ``LMCacheMPConnector`` with
             an ``lmcache server`` process, the direction LMCache is taking).
-        tier: lmprefetch's tier beside the CPU tier: ``"disk"`` or ``"redis"``.
+        tier: lmprefetch's tier beside the CPU tier: ``"disk"``, ``"redis"`` or
+            ``"mooncake"``.
         servers: how many vLLM servers (requests alternate between two).
         restart_between_rounds: stop and start the server between rounds.
-        probe: the probe's transition (``"cpu"``, ``"disk"``, ``"redis"``), if any.
+        probe: the probe's transition (``"cpu"``, ``"disk"``, ``"redis"``, ``"mooncake"``), if
+            any.
     """
 
     name: str
@@ -67,6 +69,15 @@ SCENARIOS: tuple[Scenario, ...] = (
         tier="redis",
         servers=2,
         probe="redis",
+    ),
+    Scenario(
+        "shared_mooncake",
+        "two servers + one Mooncake master, prefix caching + lmprefetch (CPU + Mooncake); "
+        "requests alternate",
+        connector="lmprefetch",
+        tier="mooncake",
+        servers=2,
+        probe="mooncake",
     ),
     Scenario("lmcache", "prefix caching + LMCache 0.5.6 LMCacheConnectorV1", connector="lmcache"),
     Scenario(

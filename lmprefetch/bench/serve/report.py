@@ -8,7 +8,8 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
                       "gen_tok_per_s": …, "hit_tokens": …, "hit_tokens_metrics": …,
                       "speedup_vs_recompute": …, "speedup_vs_apc": …, "chat": {…}, …},
         "apc": {…}, "lmprefetch_cpu": {…, "probe": {…}}, "lmprefetch_disk_restart": {…},
-        "shared_redis": {…}, "lmcache": {… or "error": "…"}, "lmcache_mp": {…}},
+        "shared_redis": {…}, "shared_mooncake": {…}, "lmcache": {… or "error": "…"},
+        "lmcache_mp": {…}},
      "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
 
@@ -268,7 +269,7 @@ def format_report(summary: dict[str, Any]) -> str:
             "vLLM's own prefix-cache hit; ratio = median over the pairs.",
             "Where the time goes (vLLM's histograms): queue = arrival to first step (incl. the "
             "connector's lookup), prefill = first step to first token (incl. the KV load).",
-            f"  {'scenario (tier, how)':<38}{'cold':>9}{'tier hit':>10}{'vLLM hit':>10}"
+            f"  {'scenario (tier, how)':<42}{'cold':>9}{'tier hit':>10}{'vLLM hit':>10}"
             f"{'ratio':>7}  {'tier hit: queue+prefill':<25}{'vLLM hit: queue+prefill':<25}"
             "tokens from the tier",
         ]
@@ -276,13 +277,14 @@ def format_report(summary: dict[str, Any]) -> str:
             "cpu": "CPU, vLLM cache reset",
             "disk": "disk, server restarted",
             "redis": "Redis, other server",
+            "mooncake": "Mooncake, other server",
         }
         for name, p in probes:
             apc, tier = p["apc_hit"], p["tier_hit"]
             served = min(tier["cached_tokens"], default=0)
             label = f"{name} ({how.get(p['kind'], p['kind'])})"
             lines.append(
-                f"  {label:<38}{_ms(p['cold_ttft_ms']):>9}"
+                f"  {label:<42}{_ms(p['cold_ttft_ms']):>9}"
                 f"{_ms(tier['ttft_ms']):>10}{_ms(apc['ttft_ms']):>10}{_x(p['tier_vs_apc']):>7}"
                 f"  {_ms(tier['queue_ms']) + ' + ' + _ms(tier['prefill_ms']):<25}"
                 f"{_ms(apc['queue_ms']) + ' + ' + _ms(apc['prefill_ms']):<25}"

@@ -18,7 +18,9 @@ which the first one filled (``apc_hit``).  The transitions:
 * ``lmprefetch_disk_restart``: the server is restarted (lmprefetch's CPU tier is empty again,
   and a short uncached request takes the new server's first-run costs), so it is the disk;
 * ``shared_redis``: the pair goes to the other server, which never saw the prompt, once the
-  prompt's chunks are in Redis (writes are write-behind), so it is Redis.
+  prompt's chunks are in Redis (writes are write-behind), so it is Redis;
+* ``shared_mooncake``: the same with Mooncake (each server gives the pool some memory; the
+  other server's chunks are read from the server that stored them).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 import httpx
 import trio
 
+from ...keys import ChunkKey
 from .client import (
     TIMINGS,
     Completion,
@@ -159,7 +162,10 @@ def base_env(tmp: Path) -> dict[str, str]:
 
 
 def lmprefetch_kv_config(
-    opts: ServeBenchOptions, disk_path: Path | None = None, redis_url: str | None = None
+    opts: ServeBenchOptions,
+    disk_path: Path | None = None,
+    redis_url: str | None = None,
+    mooncake_master: str | None = None,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` for lmprefetch's connector."""
     extra: dict[str, Any] = {
@@ -174,6 +180,8 @@ def lmprefetch_kv_config(
         extra["disk_path"] = str(disk_path)
     if redis_url is not None:
         extra["redis_url"] = redis_url
+    if mooncake_master is not None:
+        extra.update(mooncake_master=mooncake_master, mooncake_segment_bytes=MOONCAKE_SEGMENT_BYTES)
     return {
         "kv_connector": "LMPrefetchConnector",
         "kv_connector_module_path": "lmprefetch.integration.vllm",
@@ -500,12 +508,16 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
     async with trio.open_nursery() as nursery:
         procs = ProcessSet(nursery)
         try:
-            redis_url = None
+            redis_url = mooncake_master = None
             if sc.tier == "redis":
                 redis_url = await _start_redis(procs, ctx, scenario_tmp)
+            elif sc.tier == "mooncake":
+                mooncake_master = await _start_mooncake(procs, ctx)
             if sc.connector == "lmprefetch":
                 disk = scenario_tmp / "disk" if sc.tier == "disk" else None
-                kv_config = lmprefetch_kv_config(opts, disk_path=disk, redis_url=redis_url)
+                kv_config = lmprefetch_kv_config(
+                    opts, disk_path=disk, redis_url=redis_url, mooncake_master=mooncake_master
+                )
             elif sc.connector == "lmcache_mp":
                 port = await _start_lmcache_server(procs, ctx, python, extra_env, scenario_tmp)
                 kv_config = {
@@ -517,7 +529,7 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
                     },
                 }
             outcome = await _run_scenario_body(
-                ctx, sc, procs, python, kv_config, extra_env, notes, redis_url
+                ctx, sc, procs, python, kv_config, extra_env, notes, redis_url or mooncake_master
             )
         except ScenarioUnavailable as exc:
             # Returned, not raised: no exception group leaves the nursery.
@@ -583,8 +595,9 @@ async def _run_scenario_body(
     kv_config: dict[str, Any] | None,
     extra_env: dict[str, str],
     notes: dict[str, Any],
-    redis_url: str | None,
+    shared: str | None,
 ) -> dict[str, Any]:
+    """``shared``: the Redis URL or the Mooncake master's address of a shared-tier scenario."""
     opts = ctx.opts
     n_requests = sum(len(r) for r in ctx.long_doc) + sum(len(r) for r in ctx.chat)
     n_probe = len(ctx.probe_prompts) * (
@@ -652,8 +665,14 @@ async def _run_scenario_body(
             probe = ProbeResult("redis")
             await probe_cold(ctx, servers[0], probe)
             # Redis writes are write-behind: the other server can only hit what has landed.
-            assert redis_url is not None
-            await _wait_in_redis(ctx, redis_url)
+            assert shared is not None
+            await _wait_in_redis(ctx, shared)
+            await probe_pairs(ctx, servers[1], probe)
+        elif sc.probe == "mooncake":
+            probe = ProbeResult("mooncake")
+            await probe_cold(ctx, servers[0], probe)
+            assert shared is not None
+            await _wait_in_mooncake(ctx, shared)
             await probe_pairs(ctx, servers[1], probe)
         result: dict[str, Any] = {
             "long_doc_qa": long_doc,
@@ -692,6 +711,99 @@ async def _wait_in_redis(ctx: Context, redis_url: str) -> None:
         with trio.move_on_after(60.0):
             while True:
                 if await trio.to_thread.run_sync(client.exists, *names) == len(names):
+                    break
+                await trio.sleep(0.05)
+    finally:
+        await trio.to_thread.run_sync(client.close)
+
+
+#: Memory each server gives the Mooncake pool (the chunks it stores live there).
+MOONCAKE_SEGMENT_BYTES = 512 << 20
+
+
+def _probe_keys(ctx: Context) -> list[ChunkKey]:
+    """The keys of every whole chunk of the probe prompts, as lmprefetch's tiers name them
+    (model and dtype are set in the connector's configuration, see
+    :func:`lmprefetch_kv_config`)."""
+    from ...hashing import ChunkHasher
+
+    opts = ctx.opts
+    hasher = ChunkHasher(opts.chunk_size)
+    return [
+        ChunkKey(_SERVED_MODEL, 1, 0, h, _kv_dtype(opts))
+        for prompt in ctx.probe_prompts
+        for h in hasher.hash(list(prompt))
+    ]
+
+
+def _mooncake_master_binary() -> str | None:
+    """``mooncake_master`` on ``PATH``, or beside this Python (the package installs it there)."""
+    found = shutil.which("mooncake_master")
+    beside = Path(sys.executable).with_name("mooncake_master")
+    return found or (str(beside) if beside.is_file() else None)
+
+
+async def _start_mooncake(procs: ProcessSet, ctx: Context) -> str:
+    """Start ``mooncake_master`` on loopback; returns its address.  Mooncake's clients (the
+    servers' workers) listen on every interface, so the scenario runs only where this process
+    sees no interface but loopback (a private network namespace)."""
+    from ..netns import loopback_only
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise ScenarioUnavailable(
+            "lmprefetch's Mooncake tier needs Mooncake beside vLLM: "
+            "pip install 'lmprefetch[mooncake]' (and apt-get install libibverbs1)"
+        )
+    binary = _mooncake_master_binary()
+    if binary is None:
+        raise ScenarioUnavailable(
+            "mooncake_master is not installed (pip install 'lmprefetch[mooncake]')"
+        )
+    if not loopback_only():
+        raise ScenarioUnavailable(
+            "Mooncake's clients listen on every network interface; run bench-serve in a "
+            "private network namespace for this scenario: python -m lmprefetch.bench.netns "
+            "lmprefetch bench-serve --scenarios shared_mooncake"
+        )
+    port, metrics_port = free_port(), free_port()
+    argv = [
+        binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+        "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}",
+    ]  # fmt: skip
+    proc = ManagedProcess("mooncake_master", argv, dict(os.environ), "Master admin server started")
+    await procs.start(proc, 60.0)
+    # Its RPC service starts just after that line: wait until it accepts.
+    with trio.fail_after(60.0):
+        while True:
+            try:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+            except OSError:
+                await trio.sleep(0.01)
+                continue
+            await stream.aclose()
+            break
+    return f"127.0.0.1:{port}"
+
+
+async def _wait_in_mooncake(ctx: Context, master: str) -> None:
+    """Wait (at most 60 s) until every whole chunk of the probe prompts is in Mooncake, asking
+    as a client of its own that gives the pool nothing."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from ...tiers.mooncake import mooncake_key
+
+    names = [mooncake_key(key) for key in _probe_keys(ctx)]
+    client = MooncakeDistributedStore()
+    rc = await trio.to_thread.run_sync(
+        client.setup, "127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master
+    )
+    if rc != 0:
+        raise ScenarioUnavailable(f"a Mooncake client could not be set up ({rc})")
+    try:
+        with trio.move_on_after(60.0):
+            while True:
+                found = await trio.to_thread.run_sync(client.batch_is_exist, names)
+                if list(found) == [1] * len(names):
                     break
                 await trio.sleep(0.05)
     finally:

@@ -1,0 +1,908 @@
+"""The Mooncake Store tier: chunks in a Mooncake distributed store, shared by every engine
+pointed at the same ``mooncake_master``.
+
+Mooncake Store (https://github.com/kvcache-ai/Mooncake) keeps objects in memory that its
+clients contribute ("segments"), indexed by one master process; a client reads and writes other
+clients' segments directly over TCP (or RDMA).  Every engine with this tier is such a client: it
+may contribute ``segment_bytes`` of its own memory to the pool (0 for the standalone-store
+deployment, where a ``mooncake_client`` process holds the pool), and its arena is registered
+with Mooncake once, so that loads land in arena buffers without a copy (``batch_get_into``) and
+stores are sent from them (``batch_put_from``).  A chunk is one object under ``"lmprefetch:" +
+key.to_string()``, the same key every tier uses: models, ranks, dtypes, groups and salts stay
+apart.  The object is the payload itself, nothing around it (see "Integrity" below).
+
+**Threads.**  Mooncake's Python client is a blocking C++ library; every call that can wait on
+the network releases the GIL (``py::gil_scoped_release`` in its bindings; other Python threads
+run meanwhile).  So every call runs in ``trio.to_thread.run_sync`` under a
+:class:`trio.CapacityLimiter` of ``threads`` tokens, and the Trio thread never blocks.  Calls
+that touch no arena memory (the probe's ``batch_is_exist``, ``remove``, setting the client up)
+are abandoned at their deadline (``timeout_s``) or on cancellation, like the Redis tier's; an
+abandoned call keeps its limiter token until it really ends.
+
+**Deadlines of calls that touch the arena.**  ``batch_get_into`` writes into arena buffers and
+``batch_put_from`` reads them, so those threads are *never* abandoned: an abandoned get could
+write into a slot after the caller freed it and the arena gave it to another chunk, and an
+abandoned put could store the bytes of whatever chunk reuses the slot.  Instead they are kept
+short, and Mooncake's own deadlines bound them:
+
+* loads go in batches of at most ``_LOAD_BATCH_KEYS`` keys / ``_LOAD_BATCH_BYTES`` bytes, one
+  thread call each, so a cancelled load waits for one batch at most and then raises;
+* before the first client is made, the tier sets Mooncake's timeouts from ``timeout_s`` where
+  the environment has not set them: ``MC_RPC_TIMEOUT_MS`` and ``MC_RPC_CONNECT_TIMEOUT_MS``
+  (calls to the master; Mooncake's default is 30 s), ``MC_TCP_PROGRESS_TIMEOUT_SEC`` and
+  ``MC_TCP_STATUS_TIMEOUT_SEC`` (a TCP transfer that stops moving is dropped; default 30 s) and
+  ``MC_STORE_CLIENT_SETUP_RETRIES=1`` (Mooncake retries a failed setup 20 times, 90 s against
+  a master that is down; the tier retries on its own backoff instead).
+
+A master that dies mid-load costs nothing extra: transfers go from segment to segment, so the
+ones already submitted complete, and the next call to the master fails at once (refused) or
+within ``MC_RPC_TIMEOUT_MS`` (a master that hangs).  A segment owner that hangs (a stopped
+process, a dead host) is the slow case: each stalled transfer is dropped after
+``MC_TCP_PROGRESS_TIMEOUT_SEC``, four at a time per peer, so a batch of ``_LOAD_BATCH_KEYS``
+chunks ends within about ``_LOAD_BATCH_KEYS / 4`` of those; the lookup's own deadline has
+answered long before.  (Mooncake also gives up waiting on a batch after a fixed 60 s without
+ending its transfers; the short batches and the progress deadline keep every transfer far
+inside that.)
+
+**Faults.**  A failed or timed-out call, a negative result code other than "not found", and a
+client that cannot be set up are counted in ``stats.errors`` and start a *backoff*
+(``backoff_initial_s`` doubling to ``backoff_max_s``); while backing off, or before the client
+is set up, the tier answers "no more hits" at once without a thread and drops writes (counted in
+``stats.writes_dropped``).  A lookup gets the prefix found before the failure, never an
+exception.  If the master is unreachable when the tier opens, the tier starts without a client
+and a background task sets one up, on the same backoff, until it succeeds.  Once set up, the
+Mooncake client finds a restarted master by itself (it pings it and mounts its segment again);
+the restarted master has lost its index, so everything stored before is a miss from then on.
+
+**Holes (D13).**  The probe is one ``batch_is_exist`` call and counts the leading ``1``\\ s; a
+``0`` ends it (the object was evicted or removed), a negative value ends it and is an error.
+``batch_get_into`` answers per key; the load keeps the leading keys that were filled and stops
+at the first one that was not (not found, larger than its buffer, or failed).
+
+**Leases.**  Mooncake grants a reader a lease (the master's ``default_kv_lease_ttl``, 10 s by
+default) while it reads an object, and checks after the transfer that the lease had not
+expired (``LEASE_EXPIRED``, an error here, so a transfer that outlived it is not counted).  The
+tier relies on the lease for nothing after that: once ``load`` returns, the bytes are in the
+arena and Mooncake may evict the object.  The probe takes no lease, so a chunk evicted between
+probe and load is a hole.  ``remove`` cannot delete an object under a lease (it would pull the
+memory from under a reader); it retries until the lease ends, for at most
+``REMOVE_LEASE_WAIT_S``.
+
+**Integrity.**  Objects are immutable (a put of an existing key leaves it as it is), visible
+only once wholly written, and read under a lease that is checked after the transfer; the length
+Mooncake returns is the object's own.  So unlike a Redis value, an object needs no header: the
+payload is stored as is, which keeps loads and stores zero-copy.
+
+**Pins.**  Nothing is pinned remotely; the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s
+bookkeeping so ``pinned_count()`` shows what the engine still has to unpin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final, TypeVar
+
+import trio
+
+from ..config import MOONCAKE_SEGMENT_MIN, PrefetchConfig, parse_host_port
+from ..keys import ChunkKey
+from ..memory import Arena, Buffer
+from .base import BaseTier
+from .writebehind import WriteBehindQueue, WriteEntry
+
+__all__ = [
+    "KEY_PREFIX",
+    "MooncakeTier",
+    "check_installed",
+    "mooncake_key",
+    "open_mooncake_tier",
+    "open_mooncake_tier_from_config",
+]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Prefix of every object key this tier writes (the Redis tier's too: the same key).
+KEY_PREFIX: Final = "lmprefetch:"
+
+# Mooncake's result codes (mooncake-store/include/types.h) that the tier tells apart.
+_INVALID_PARAMS: Final = -600  # batch_get_into: the object is larger than the buffer
+_REPLICA_IS_NOT_READY: Final = -703  # being written
+_OBJECT_NOT_FOUND: Final = -704
+_OBJECT_ALREADY_EXISTS: Final = -705
+_OBJECT_HAS_LEASE: Final = -706
+_REPLICA_NOT_FOUND: Final = -710
+_REPLICA_IS_GONE: Final = -712
+#: Codes that mean "not there (any more)": a hole, not an error.
+_MISSING: Final = frozenset({_OBJECT_NOT_FOUND, _REPLICA_IS_NOT_READY, _REPLICA_NOT_FOUND,
+                             _REPLICA_IS_GONE})  # fmt: skip
+_CODE_NAMES: Final = {
+    -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS",
+    -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
+}  # fmt: skip
+
+# One load batch: one thread call, waited for whole when the load is cancelled.
+_LOAD_BATCH_KEYS: Final = 16
+_LOAD_BATCH_BYTES: Final = 32 * 1024 * 1024
+# One write batch: one batch_put_from.
+_WRITE_BATCH_KEYS: Final = 16
+_WRITE_BATCH_BYTES: Final = 32 * 1024 * 1024
+
+#: Threads (concurrent Mooncake calls) per tier.
+DEFAULT_THREADS: Final = 4
+#: Chunks waiting for their write-behind; past it writes are dropped and counted.
+DEFAULT_WRITE_QUEUE: Final = 1024
+#: How long closing waits for queued writes, then for threads, then for the client's teardown.
+CLOSE_TIMEOUT_S: Final = 10.0
+#: Opening the tier waits this long on top of ``timeout_s`` for a client to be set up (it
+#: connects to the master and mounts the segment; against a master that is down, Mooncake
+#: spends about 4.5 s on it); past it the tier opens without one and sets it up meanwhile.
+CONNECT_SLACK_S: Final = 5.0
+#: The longest :meth:`MooncakeTier.remove` waits for readers' leases on the object to end.
+REMOVE_LEASE_WAIT_S: Final = 15.0
+_REMOVE_POLL_S: Final = 0.05
+
+
+def mooncake_key(key: ChunkKey) -> str:
+    """The Mooncake object key ``key`` is stored under."""
+    return KEY_PREFIX + key.to_string()
+
+
+def _code(rc: int) -> str:
+    return f"{rc} ({_CODE_NAMES.get(rc, 'error')})"
+
+
+def _set_mooncake_environment(timeout_s: float, metadata_server: str, local_host: str) -> None:
+    """Bound Mooncake's own waits by ``timeout_s`` (see the module docstring), and give it the
+    address to advertise, where the environment does not set them already.  Process-wide: the
+    first tier of a process sets them, before its first client exists, and Mooncake reads them
+    as its clients connect.
+
+    (With a metadata server, Mooncake's transfer engine ignores the local hostname and
+    advertises the first non-loopback address of the machine, or ``MC_TCP_BIND_ADDRESS``: so
+    that ``local_hostname`` means the same in both modes, it goes there.)"""
+    ms = str(max(1, round(timeout_s * 1000)))
+    seconds = str(max(1, math.ceil(timeout_s)))
+    settings = [
+        ("MC_RPC_TIMEOUT_MS", ms),
+        ("MC_RPC_CONNECT_TIMEOUT_MS", ms),
+        ("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds),
+        ("MC_TCP_STATUS_TIMEOUT_SEC", seconds),
+        ("MC_STORE_CLIENT_SETUP_RETRIES", "1"),
+    ]
+    if metadata_server != "P2PHANDSHAKE":
+        settings.append(("MC_TCP_BIND_ADDRESS", local_host))
+    for name, value in settings:
+        if name not in os.environ:
+            os.environ[name] = value
+
+
+def check_installed() -> None:
+    """Raise a one-line ``ValueError`` naming the extra when Mooncake's client cannot be
+    imported (the package is missing, or ``libibverbs`` is, which even TCP needs)."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = " (and apt-get install libibverbs1)" if "libibverbs" in detail else ""
+        raise ValueError(
+            "mooncake_master: the Mooncake tier needs the mooncake extra: python -m pip "
+            f"install 'lmprefetch[mooncake]'{hint}; importing mooncake.store failed: {detail}"
+        ) from None
+
+
+def _default_store_factory() -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    return MooncakeDistributedStore()
+
+
+class _Unavailable(Exception):
+    """A call did not happen or failed (already counted); the caller stops here."""
+
+
+class _SetupFailed(Exception):
+    """Setting a client up failed (the message says how)."""
+
+
+# -- what runs in worker threads -----------------------------------------------------------------
+def _exist(store: Any, names: list[str]) -> list[int]:
+    return list(store.batch_is_exist(names))
+
+
+def _get_into(store: Any, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+    """Read each object into its buffer (the thread that writes arena memory)."""
+    return list(store.batch_get_into(names, addresses, sizes))
+
+
+def _put_from(store: Any, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+    """Store each object from its buffer (the thread that reads arena memory)."""
+    return list(store.batch_put_from(names, addresses, sizes))
+
+
+def _remove(store: Any, name: str) -> int:
+    return int(store.remove(name))
+
+
+def _slot_address(buf: Buffer) -> int:
+    return buf.arena.address + buf.index * buf.capacity
+
+
+class MooncakeTier(BaseTier):
+    """Chunks in Mooncake Store, through one Mooncake client.
+
+    Open it with :func:`open_mooncake_tier`, which sets the client up, registers the arena and
+    runs the write-behind and reconnecting tasks.  Constructing a tier does no I/O.
+
+    Args:
+        master: ``host:port`` of ``mooncake_master``'s RPC service.
+        metadata_server: where clients find each other's segments: ``"P2PHANDSHAKE"`` (no
+            server: peers exchange descriptors directly), an ``http://host:port/metadata``
+            URL (the master's ``--enable_http_metadata_server``), or an ``etcd://`` /
+            ``redis://`` address.
+        protocol: ``"tcp"`` or ``"rdma"``.
+        local_hostname: the address other clients reach this one's transfer engine at.
+        segment_bytes: memory this client contributes to the pool (0: none; the
+            standalone-store deployment).
+        timeout_s: deadline of one call (see the module docstring for the calls that are
+            bounded by Mooncake's own timeouts instead).
+        threads: concurrent Mooncake calls (worker threads).
+        write_queue: writes waiting for the writer; past it writes are dropped and counted.
+        backoff_initial_s: first backoff after a failure; doubles on every further failure.
+        backoff_max_s: ceiling of the backoff.
+        rdma_devices: RDMA devices (``protocol="rdma"``; empty: Mooncake chooses).
+        store_factory: makes a ``MooncakeDistributedStore`` (tests pass a fake).
+
+    Raises:
+        ValueError: a setting is out of range (``master`` not ``host:port``, ...).
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        metadata_server: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        local_hostname: str = "127.0.0.1",
+        segment_bytes: int = 0,
+        timeout_s: float = 1.0,
+        threads: int = DEFAULT_THREADS,
+        write_queue: int = DEFAULT_WRITE_QUEUE,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        rdma_devices: str = "",
+        store_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        parse_host_port(master)
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
+        if threads < 1 or write_queue < 1:
+            raise ValueError("threads and write_queue must be at least 1")
+        if segment_bytes != 0 and segment_bytes < MOONCAKE_SEGMENT_MIN:
+            raise ValueError(
+                f"segment_bytes: must be 0 or at least {MOONCAKE_SEGMENT_MIN} (Mooncake's "
+                f"least), got {segment_bytes}"
+            )
+        if not 0 < backoff_initial_s <= backoff_max_s:
+            raise ValueError("backoff: need 0 < backoff_initial_s <= backoff_max_s")
+        self.master = master.strip()
+        self.metadata_server = metadata_server
+        self.protocol = protocol
+        self.local_hostname = local_hostname
+        self.segment_bytes = segment_bytes
+        self.rdma_devices = rdma_devices
+        self._timeout_s = timeout_s
+        self._factory = store_factory or _default_store_factory
+        self._limiter = trio.CapacityLimiter(threads)
+        self._setup_limiter = trio.CapacityLimiter(1)
+        # Guards the hand-over of a client between threads and the Trio thread, and the
+        # registered arenas: a thread that set a client up publishes it here, unless the tier
+        # closed meanwhile (then the thread closes it itself).
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._connected = trio.Event()  # set on the Trio thread once a client is set up
+        self._arenas: list[Arena] = []  # registered (to be registered) with every client
+        self._registered: dict[int, Arena] = {}  # id(arena) -> arena, on the current client
+        self._closed = False
+        # backoff state (Trio thread only)
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._next_backoff_s = backoff_initial_s
+        self._retry_at = -math.inf
+        self._writes = WriteBehindQueue(write_queue, self.stats)
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        """A client is set up (the master may still be down: calls then fail and back off)."""
+        return self._store is not None
+
+    async def wait_connected(self) -> None:
+        """Wait until a client is set up (the tier's own task keeps trying meanwhile)."""
+        await self._connected.wait()
+
+    @property
+    def backing_off(self) -> bool:
+        """``True`` while the tier answers without touching the network after a failure."""
+        return trio.current_time() < self._retry_at
+
+    @property
+    def retry_at(self) -> float:
+        """The ``trio.current_time()`` from which calls are tried again (``-inf`` if not
+        backing off)."""
+        return self._retry_at
+
+    def _usable(self) -> bool:
+        return self._store is not None and not self._closed and not self.backing_off
+
+    def _failed(self, what: str, cause: object) -> None:
+        self.stats.errors += 1
+        if not self.backing_off:
+            log.warning(
+                "mooncake tier: %s failed (%s); backing off %.3g s",
+                what,
+                cause if cause is not None else "no answer",
+                self._next_backoff_s,
+            )
+        self._retry_at = trio.current_time() + self._next_backoff_s
+        self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_max_s)
+
+    def _succeeded(self) -> None:
+        if self._next_backoff_s != self._backoff_initial_s:
+            log.info("mooncake tier: calls succeed again")
+        self._retry_at = -math.inf
+        self._next_backoff_s = self._backoff_initial_s
+
+    # -- the client ----------------------------------------------------------------------
+    def add_arena(self, arena: Arena) -> None:
+        """Register ``arena`` with the client (now, or when one is set up), so transfers go
+        straight into and out of its slots.  The engine's arena is added when the tier opens;
+        a buffer of another arena is registered on its first load or store."""
+        with self._lock:
+            if all(a is not arena for a in self._arenas):
+                self._arenas.append(arena)
+
+    def _register(self, store: Any, arenas: Sequence[Arena]) -> None:
+        """(Worker thread.)  Register each of ``arenas`` that is not yet registered with the
+        client.  Raises :class:`_SetupFailed` when Mooncake refuses."""
+        with self._lock:
+            for arena in arenas:
+                if id(arena) in self._registered:
+                    continue
+                rc = int(store.register_buffer(arena.address, arena.total_bytes))
+                if rc != 0:
+                    raise _SetupFailed(f"register_buffer of an arena returned {_code(rc)}")
+                self._registered[id(arena)] = arena
+                if all(a is not arena for a in self._arenas):
+                    self._arenas.append(arena)
+
+    def _set_up(self) -> None:
+        """(Worker thread.)  Make a client, set it up, register the arenas and publish it.
+        The client is closed here if anything fails or the tier closed meanwhile."""
+        if self._store is not None or self._closed:  # an earlier attempt got there, or closed
+            return
+        store = self._factory()
+        try:
+            rc = int(
+                store.setup(
+                    self.local_hostname,
+                    self.metadata_server,
+                    self.segment_bytes,
+                    0,  # local_buffer_size: every transfer goes to or from a registered arena
+                    self.protocol,
+                    self.rdma_devices,
+                    self.master,
+                )
+            )
+            if rc != 0:
+                raise _SetupFailed(f"setup returned {_code(rc)}")
+            with self._lock:
+                arenas = list(self._arenas)
+            for arena in arenas:
+                rc = int(store.register_buffer(arena.address, arena.total_bytes))
+                if rc != 0:
+                    raise _SetupFailed(f"register_buffer of the arena returned {_code(rc)}")
+            with self._lock:
+                if not self._closed:
+                    self._store = store
+                    self._registered = {id(a): a for a in arenas}
+                    return
+        except BaseException:
+            store.close()
+            raise
+        store.close()  # the tier closed meanwhile: nobody will use this client
+
+    async def connect(self, *, deadline_s: float = math.inf) -> bool:
+        """Set a client up (in a worker thread): ``True`` once one is.  ``False`` (and a
+        backoff) when setting up failed; ``False`` (no backoff) when ``deadline_s`` passed
+        first, the attempt going on in its thread.  Never raises for an unreachable master.
+
+        A setup is one attempt at a time: a call made while an earlier, abandoned attempt still
+        runs waits for it (and returns ``True`` at once if it succeeded).
+
+        Cancellation (or the deadline) abandons the thread: it touches no arena memory, and if
+        it sets a client up after all, it publishes it (or closes it, once the tier closed)."""
+        if self._store is not None or self._closed:
+            await trio.lowlevel.checkpoint()
+            return self._store is not None
+        host = (
+            self.local_hostname.rpartition(":")[0]
+            if self.local_hostname.count(":") == 1
+            else self.local_hostname
+        )
+        _set_mooncake_environment(self._timeout_s, self.metadata_server, host)
+        connected = await self._try_set_up(deadline_s)
+        if connected:
+            self._connected.set()
+        return connected
+
+    async def _try_set_up(self, deadline_s: float) -> bool:
+        with trio.move_on_after(deadline_s):
+            try:
+                await trio.to_thread.run_sync(
+                    self._set_up, abandon_on_cancel=True, limiter=self._setup_limiter
+                )
+            except Exception as exc:
+                self._failed(f"setting up a client of {self.master}", exc)
+                return False
+            if self._store is None:  # the tier closed meanwhile
+                return False
+            self._succeeded()
+            log.info("mooncake tier: connected to %s", self.master)
+            return True
+        log.info("mooncake tier: no client of %s yet after %.3g s; still trying", self.master,
+                 deadline_s)  # fmt: skip
+        return self._store is not None
+
+    async def run_connector(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Until a client is set up: wait out the backoff, try again (runs until cancelled
+        or connected).  Each attempt is bounded by Mooncake's own timeouts."""
+        task_status.started()
+        while self._store is None and not self._closed:
+            await trio.sleep_until(max(self._retry_at, trio.current_time()))
+            await self.connect()
+
+    async def _call(self, what: str, op: Callable[..., _T], *args: Any, touches_arena: bool) -> _T:
+        """Run ``op(store, *args)`` in a worker thread under the limiter.
+
+        Returns ``op``'s result.  Raises :class:`_Unavailable` after a checkpoint, without a
+        thread, while there is no client, the tier is closed or backing off; and after counting
+        the failure and starting a backoff when ``op`` raises or (``touches_arena`` false)
+        misses the ``timeout_s`` deadline.  A call that never got a thread does not back off.
+
+        ``touches_arena``: ``op`` reads or writes arena buffers: the thread is never
+        abandoned (a cancellation waits for it; Mooncake's own timeouts bound it).  Otherwise
+        a deadline or a cancellation abandons it.
+        """
+        store = self._store
+        if store is None or self._closed or self.backing_off:
+            await trio.lowlevel.checkpoint()
+            raise _Unavailable
+        if touches_arena:
+            try:
+                return await trio.to_thread.run_sync(
+                    op, store, *args, abandon_on_cancel=False, limiter=self._limiter
+                )
+            except Exception as exc:  # a Mooncake binding error: count, back off
+                self._failed(what, exc)
+                raise _Unavailable from None
+        started: list[bool] = []
+
+        def run() -> _T:
+            started.append(True)
+            return op(store, *args)
+
+        with trio.move_on_after(self._timeout_s):
+            try:
+                return await trio.to_thread.run_sync(
+                    run, abandon_on_cancel=True, limiter=self._limiter
+                )
+            except Exception as exc:
+                self._failed(what, exc)
+                raise _Unavailable from None
+        if started:
+            self._failed(what, f"no answer within {self._timeout_s:.3g} s")
+        else:
+            log.debug("mooncake tier: %s found no free thread within %.3g s", what, self._timeout_s)
+        raise _Unavailable
+
+    def _unregistered(self, bufs: Sequence[Buffer]) -> list[Arena]:
+        seen: list[Arena] = []
+        for buf in bufs:
+            arena = buf.arena
+            if id(arena) not in self._registered and all(a is not arena for a in seen):
+                seen.append(arena)
+        return seen
+
+    # -- probe and load ------------------------------------------------------------------
+    def contains_now(self, key: ChunkKey) -> bool | None:
+        """``False`` while the tier cannot answer anything but "no" (no client yet, backing
+        off, closed): the engine then need not start a task for it.  Else ``None``."""
+        return None if self._usable() else False
+
+    async def contains(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is in the store (``False`` while unavailable or on failure)."""
+        return await self._exist_prefix([key]) == 1
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """How many leading ``keys`` are in the store: one ``batch_is_exist`` call, stopping at
+        the first key that is not; 0 at once while unavailable.  Pins (bookkeeping only) are
+        taken after the last checkpoint.  On cancellation raises ``Cancelled``, pins nothing."""
+        self.stats.probes += 1
+        n = await self._exist_prefix(keys)
+        # no checkpoint from here: the pins are taken synchronously with the answer
+        if pin and n:
+            self.pin(keys[:n])
+        if n:
+            self.stats.hits += 1
+        return n
+
+    async def _exist_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """The leading count of ``keys`` that ``batch_is_exist`` says are there (a checkpoint
+        whatever happens; failures counted, never raised)."""
+        if not keys:
+            await trio.lowlevel.checkpoint()
+            return 0
+        names = [mooncake_key(key) for key in keys]
+        try:
+            found = await self._call("batch_is_exist", _exist, names, touches_arena=False)
+        except _Unavailable:
+            return 0
+        n = 0
+        while n < len(found) and found[n] == 1:
+            n += 1
+        if n < len(found):
+            if found[n] == 0:
+                # Evicted by Mooncake, or removed by another engine: a probe is how we learn.
+                self._note_removed(keys[n])
+                self._succeeded()
+            else:
+                self._failed("batch_is_exist", f"answered {_code(found[n])} for {names[n]}")
+        elif len(found) != len(names):
+            self._failed("batch_is_exist", f"{len(found)} answers for {len(names)} keys")
+            return 0
+        else:
+            self._succeeded()
+        return n
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        """Fill ``buffers[i]`` with ``keys[i]``'s payload straight from the store; the
+        contiguous count filled.
+
+        ``batch_get_into`` in batches of at most ``_LOAD_BATCH_KEYS`` keys and
+        ``_LOAD_BATCH_BYTES`` of buffer capacity, in order.  Stops at the first key that is
+        missing, larger than its buffer or failed (D13) and returns the count before it; a
+        down or slow store ends the prefix there (counted, backing off), never raises.
+
+        On cancellation raises ``Cancelled`` once the batch in flight has finished (its thread
+        writes into the buffers and is never abandoned), so nothing writes into a buffer after
+        this returns or raises.
+        """
+        total = min(len(keys), len(buffers))
+        n = 0
+        loaded_bytes = 0
+        start = 0
+        while start < total:
+            end = start + 1
+            budget = buffers[start].capacity
+            while (
+                end < total
+                and end - start < _LOAD_BATCH_KEYS
+                and budget + buffers[end].capacity <= _LOAD_BATCH_BYTES
+            ):
+                budget += buffers[end].capacity
+                end += 1
+            bufs = buffers[start:end]
+            names = [mooncake_key(key) for key in keys[start:end]]
+            addresses = [_slot_address(buf) for buf in bufs]
+            sizes = [buf.capacity for buf in bufs]
+            try:
+                arenas = self._unregistered(bufs)
+                if arenas:
+                    await self._call("register_buffer", self._register, arenas, touches_arena=False)
+                results = await self._call(
+                    "batch_get_into", _get_into, names, addresses, sizes, touches_arena=True
+                )
+            except _Unavailable:
+                break
+            filled = 0
+            for buf, rc in zip(bufs, results, strict=False):
+                if 0 < rc <= buf.capacity:
+                    buf.length = rc
+                    loaded_bytes += rc
+                    filled += 1
+                    continue
+                if rc in _MISSING:
+                    self._note_removed(keys[start + filled])
+                elif rc != _INVALID_PARAMS:  # larger than the buffer: a miss that stays there
+                    self._failed("batch_get_into", f"answered {_code(rc)} for {names[filled]}")
+                break
+            else:
+                if len(results) != len(bufs):
+                    self._failed("batch_get_into", f"{len(results)} answers for {len(bufs)} keys")
+                else:
+                    self._succeeded()
+            n += filled
+            if filled < len(bufs):
+                break
+            start = end
+        if total == 0:
+            await trio.lowlevel.checkpoint()
+        self.stats.chunks_loaded += n
+        self.stats.bytes_loaded += loaded_bytes
+        return n
+
+    async def remove(self, key: ChunkKey) -> bool:
+        """Delete ``key`` from the store (and drop its queued write); ``True`` if it was there.
+
+        An object a reader holds a lease on cannot be deleted: this retries until the lease
+        ends, for at most ``REMOVE_LEASE_WAIT_S`` (then ``False``, and the object stays).
+        ``False`` too while the store is unavailable."""
+        found = self._writes.remove(key)
+        removed = await self._remove_remote(key)
+        return removed or found
+
+    async def _remove_remote(self, key: ChunkKey) -> bool:
+        name = mooncake_key(key)
+        deadline = trio.current_time() + REMOVE_LEASE_WAIT_S
+        while True:
+            try:
+                rc = await self._call("remove", _remove, name, touches_arena=False)
+            except _Unavailable:
+                return False
+            if rc == 0 or rc in _MISSING:
+                self._succeeded()
+                self._note_removed(key)  # gone now, whoever deleted it
+                return rc == 0
+            if rc != _OBJECT_HAS_LEASE:
+                self._failed("remove", f"answered {_code(rc)} for {name}")
+                return False
+            if trio.current_time() >= deadline:
+                log.info("mooncake tier: %s is still leased by a reader; not removed", name)
+                return False
+            await trio.sleep(_REMOVE_POLL_S)
+
+    # -- write-behind ------------------------------------------------------------------
+    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
+        """Queue ``buf``'s payload for storing under ``key`` (synchronous, never blocks).
+
+        Takes its own reference on ``buf``, held until the store has read the bytes out of
+        the arena.  Returns ``False``, counting ``stats.writes_dropped``, when the queue is
+        full, or the tier has no client, is backing off or closed."""
+        if not self._usable():
+            self.stats.writes_dropped += 1
+            return False
+        return self._writes.put(key, buf)
+
+    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
+        """:meth:`enqueue_write` (write-behind; ``True`` means queued, not yet stored)."""
+        await trio.lowlevel.checkpoint()
+        return self.enqueue_write(key, payload)
+
+    @property
+    def queued_writes(self) -> int:
+        """Writes queued or being written."""
+        return self._writes.pending
+
+    async def flush(self) -> None:
+        """Wait until every write queued before this call was stored (or dropped).
+
+        Raises:
+            RuntimeError: writes are queued but no writer runs (use :func:`open_mooncake_tier`).
+        """
+        await self._writes.flush()
+
+    async def run_writer(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The write-behind loop (runs until cancelled): ``batch_put_from`` what is queued,
+        straight from the arena buffers, whose references are released once it returned."""
+        await self._writes.run(
+            self._write_batch,
+            batch_keys=_WRITE_BATCH_KEYS,
+            batch_bytes=_WRITE_BATCH_BYTES,
+            task_status=task_status,
+        )
+
+    async def _write_batch(self, batch: list[WriteEntry]) -> None:
+        live: list[tuple[WriteEntry, Buffer]] = []
+        for entry in batch:
+            entry.written = True  # accounted below, or counted dropped by the loop if cancelled
+            buf = entry.buffer
+            if entry.removed or buf is None:
+                continue
+            if buf.length == 0:  # Mooncake stores no empty object
+                self.stats.writes_dropped += 1
+                continue
+            live.append((entry, buf))
+        if not live:
+            await trio.lowlevel.checkpoint()
+            return
+        bufs = [buf for _, buf in live]
+        names = [mooncake_key(entry.key) for entry, _ in live]
+        addresses = [_slot_address(buf) for buf in bufs]
+        sizes = [buf.length for buf in bufs]
+        # The entries keep their buffer references until the loop releases them after this
+        # returns: batch_put_from reads the arena, and its thread is never abandoned.
+        try:
+            arenas = self._unregistered(bufs)
+            if arenas:
+                await self._call("register_buffer", self._register, arenas, touches_arena=False)
+            results = await self._call(
+                "batch_put_from", _put_from, names, addresses, sizes, touches_arena=True
+            )
+        except _Unavailable:
+            self.stats.writes_dropped += len(live)
+            return
+        except BaseException:
+            self.stats.writes_dropped += len(live)
+            raise
+        error: str | None = None
+        undo: list[ChunkKey] = []
+        for (entry, buf), rc in zip(live, results, strict=False):
+            if rc in (0, _OBJECT_ALREADY_EXISTS):
+                self.stats.chunks_stored += 1
+                self.stats.bytes_stored += buf.length
+                if entry.removed:  # remove(key) came while it was being stored
+                    undo.append(entry.key)
+                else:
+                    self._note_stored(entry.key)
+            else:
+                self.stats.writes_dropped += 1
+                error = error or f"answered {_code(rc)} for {mooncake_key(entry.key)}"
+        self.stats.writes_dropped += max(0, len(live) - len(results))
+        if error is not None:
+            self._failed("batch_put_from", error)
+        else:
+            self._succeeded()
+        for key in undo:
+            await self._remove_remote(key)
+
+    # -- shutdown ----------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Flush queued writes (if the writer runs, bounded), drop the rest, wait for every
+        thread (bounded), then unregister the arenas and close the client.  Shielded from
+        cancellation; idempotent."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        with trio.CancelScope(shield=True):
+            self._writes.close()
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                try:
+                    await self.flush()
+                except RuntimeError:  # no writer runs: what is queued is dropped below
+                    pass
+            with self._lock:
+                self._closed = True  # a setup thread still running closes its own client
+            self._writes.drop_queued()
+            # Every thread (abandoned ones too) holds a limiter token until it really ends:
+            # owning all tokens means no thread uses the client any more.
+            owned: list[tuple[trio.CapacityLimiter, object]] = []
+            try:
+                with trio.move_on_after(CLOSE_TIMEOUT_S) as waited:
+                    for limiter in (self._limiter, self._setup_limiter):
+                        for _ in range(int(limiter.total_tokens)):
+                            borrower = object()
+                            await limiter.acquire_on_behalf_of(borrower)
+                            owned.append((limiter, borrower))
+                with self._lock:
+                    store, self._store = self._store, None
+                    arenas, self._registered = list(self._registered.values()), {}
+                if store is None:
+                    return
+                if waited.cancelled_caught:
+                    # A call is still inside the client: closing it now would pull it from
+                    # under that call.  Leave it to the process's exit.
+                    log.warning("mooncake tier: calls still running after %.0f s; the client "
+                                "is left open", CLOSE_TIMEOUT_S)  # fmt: skip
+                    return
+                with trio.move_on_after(CLOSE_TIMEOUT_S) as closing:
+                    await trio.to_thread.run_sync(
+                        _close_store, store, arenas, abandon_on_cancel=True
+                    )
+                if closing.cancelled_caught:
+                    log.warning("mooncake tier: closing the client took over %.0f s; "
+                                "left to finish on its own", CLOSE_TIMEOUT_S)  # fmt: skip
+            finally:
+                for limiter, borrower in owned:
+                    limiter.release_on_behalf_of(borrower)
+
+
+def _close_store(store: Any, arenas: Sequence[Arena]) -> None:
+    """(Worker thread.)  Unregister the arenas and close the client (unmounting its segment:
+    the objects in it are gone from the pool)."""
+    for arena in arenas:
+        try:
+            store.unregister_buffer(arena.address)
+        except ValueError:  # the arena was closed first: its memory is no longer ours
+            pass
+    store.close()
+
+
+@asynccontextmanager
+async def open_mooncake_tier(
+    master: str,
+    *,
+    metadata_server: str = "P2PHANDSHAKE",
+    protocol: str = "tcp",
+    local_hostname: str = "127.0.0.1",
+    segment_bytes: int = 0,
+    timeout_s: float = 1.0,
+    arena: Arena | None = None,
+    threads: int = DEFAULT_THREADS,
+    write_queue: int = DEFAULT_WRITE_QUEUE,
+    backoff_initial_s: float = 0.5,
+    backoff_max_s: float = 30.0,
+    store_factory: Callable[[], Any] | None = None,
+) -> AsyncIterator[MooncakeTier]:
+    """Open the Mooncake tier and run its writer (and, until a client is set up, its
+    reconnecting task) until the block exits.
+
+    The client is set up (connecting to the master, mounting ``segment_bytes`` into the pool)
+    and ``arena`` registered in a worker thread.  A master that cannot be reached does not fail
+    the caller: the tier answers misses and a background task tries again on the backoff.  On
+    exit, queued writes are flushed (shielded, at most ``CLOSE_TIMEOUT_S``), anything still
+    queued is released, the arena is unregistered and the client closed.
+
+    Raises:
+        ValueError: a setting is out of range (see :class:`MooncakeTier`).
+    """
+    tier = MooncakeTier(
+        master,
+        metadata_server=metadata_server,
+        protocol=protocol,
+        local_hostname=local_hostname,
+        segment_bytes=segment_bytes,
+        timeout_s=timeout_s,
+        threads=threads,
+        write_queue=write_queue,
+        backoff_initial_s=backoff_initial_s,
+        backoff_max_s=backoff_max_s,
+        store_factory=store_factory,
+    )
+    if arena is not None:
+        tier.add_arena(arena)
+    try:
+        await tier.connect(deadline_s=timeout_s + CONNECT_SLACK_S)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tier.run_writer)
+            await nursery.start(tier.run_connector)
+            try:
+                yield tier
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                    await tier.flush()
+                nursery.cancel_scope.cancel()
+    finally:
+        await tier.aclose()
+
+
+def open_mooncake_tier_from_config(
+    config: PrefetchConfig, arena: Arena
+) -> contextlib.AbstractAsyncContextManager[MooncakeTier]:
+    """:func:`open_mooncake_tier` with the ``mooncake_*`` fields of ``config``, registering
+    the engine's ``arena``."""
+    assert config.mooncake_master is not None
+    return open_mooncake_tier(
+        config.mooncake_master,
+        metadata_server=config.mooncake_metadata_server,
+        protocol=config.mooncake_protocol,
+        local_hostname=config.mooncake_local_hostname,
+        segment_bytes=config.mooncake_segment_bytes,
+        timeout_s=config.mooncake_timeout_s,
+        arena=arena,
+    )
