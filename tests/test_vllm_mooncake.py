@@ -26,7 +26,7 @@ from lmprefetch.tiers.mooncake import mooncake_key
 
 from .mooncake_servers import MooncakeMaster, needs_mooncake
 from .mooncake_servers import mooncake_master_fixture as mooncake_master_fixture
-from .test_vllm_serve import (
+from .vllm_servers import (
     CHUNK,
     P2,
     P3,
