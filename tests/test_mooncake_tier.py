@@ -685,6 +685,7 @@ async def test_metrics_carry_the_mooncake_tier_label(mooncake_master: MooncakeMa
     from prometheus_client import generate_latest
 
     from lmprefetch.metrics import WorkerMetrics
+    from lmprefetch.runtime import WorkerStatistics
 
     config = engine_config(mooncake_master.address)
     tokens = list(range(8))
@@ -693,7 +694,10 @@ async def test_metrics_carry_the_mooncake_tier_label(mooncake_master: MooncakeMa
             await connected(next(t for t in engine.tiers if isinstance(t, MooncakeTier)))
             assert await engine.store(tokens, [b"x" * 10, b"y" * 20]) == 2
             await engine.flush()
-            text = generate_latest(WorkerMetrics(engine.stats).registry).decode()
+            metrics = WorkerMetrics(
+                lambda: WorkerStatistics(engine=engine.statistics(), server=None, publisher=None)
+            )
+            text = generate_latest(metrics.registry).decode()
     line = 'lmprefetch_tier_stored_bytes_total{rank="0",tier="mooncake",world_size="1"} 30.0'
     assert line in text, text
     assert 'lmprefetch_tier_errors_total{rank="0",tier="mooncake",world_size="1"} 0.0' in text
