@@ -125,6 +125,51 @@ def test_values_beyond_sane_bounds_name_the_field(field: str, value: object) -> 
         PrefetchConfig.from_dict({field: str(value)})
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("mooncake_master", "127.0.0.1", "must be host:port"),
+        ("mooncake_master", "127.0.0.1:0", "must be host:port"),
+        ("mooncake_master", "127.0.0.1:65536", "must be host:port"),
+        ("mooncake_master", "a host:50051", "must be host:port"),
+        ("mooncake_master", "http://h:1", "must be host:port"),
+        ("mooncake_segment_bytes", 1, "must be 0 .* or at least 16777216"),
+        ("mooncake_segment_bytes", (16 << 20) - 1, "must be 0 .* or at least 16777216"),
+        ("mooncake_segment_bytes", -1, "must be at least 0"),
+        ("mooncake_timeout_s", 10.5, "must be more than 0 and at most 10 seconds"),
+        ("mooncake_timeout_s", 0, "must be more than 0"),
+        ("mooncake_protocol", "udp", "must be one of"),
+        ("mooncake_metadata_server", "", "must not be empty"),
+        ("mooncake_metadata_server", "http://h:1/ metadata", "must not contain spaces"),
+        ("mooncake_local_hostname", "10.0.0.1\n", "must not contain spaces"),
+    ],
+)
+def test_mooncake_fields_name_themselves_and_say_the_rule(
+    field: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: {message}"):
+        PrefetchConfig(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"^{field}: {message}"):
+        PrefetchConfig.from_env({"LMPREFETCH_" + field.upper(): str(value)})
+
+
+def test_mooncake_fields_accept_what_mooncake_takes() -> None:
+    c = PrefetchConfig(
+        mooncake_master="[::1]:50051",
+        mooncake_segment_bytes=0,  # the standalone-store deployment: no memory given
+        mooncake_timeout_s=10,
+        mooncake_protocol="rdma",
+    )
+    assert c.mooncake_segment_bytes == 0 and c.mooncake_timeout_s == 10
+    assert PrefetchConfig(mooncake_segment_bytes=16 << 20).mooncake_segment_bytes == 16 << 20
+    assert PrefetchConfig.from_env({"LMPREFETCH_MOONCAKE_MASTER": "h:1"}).mooncake_master == "h:1"
+    # An empty variable means unset: the tier is off.
+    assert PrefetchConfig.from_env({"LMPREFETCH_MOONCAKE_MASTER": ""}).mooncake_master is None
+    defaults = PrefetchConfig()
+    assert defaults.mooncake_master is None
+    assert defaults.mooncake_segment_bytes == 1 << 30 and defaults.mooncake_timeout_s == 1.0
+
+
 def test_unknown_environment_variables_are_rejected_like_unknown_keys() -> None:
     with pytest.raises(ValueError, match="^LMPREFETCH_CHUNKSIZE: unknown variable"):
         PrefetchConfig.from_env({"LMPREFETCH_CHUNKSIZE": "16"})
