@@ -695,17 +695,9 @@ async def _wait_in_redis(ctx: Context, redis_url: str) -> None:
     configuration, see :func:`lmprefetch_kv_config`)."""
     import redis
 
-    from ...hashing import ChunkHasher
-    from ...keys import ChunkKey
     from ...tiers.redis import redis_key
 
-    opts = ctx.opts
-    hasher = ChunkHasher(opts.chunk_size)
-    names = [
-        redis_key(ChunkKey(_SERVED_MODEL, 1, 0, h, _kv_dtype(opts)))
-        for prompt in ctx.probe_prompts
-        for h in hasher.hash(list(prompt))
-    ]
+    names = [redis_key(key) for key in _probe_keys(ctx)]
     client = redis.Redis.from_url(redis_url)
     try:
         with trio.move_on_after(60.0):
