@@ -429,7 +429,10 @@ class HybridHarness:
         for _ in range(max_steps):
             if req_id not in self.scheduler.requests:
                 return
-            self.step()
+            out = self.step()
+            st = self.side._reqs.get(req_id)
+            if req_id not in out.num_scheduled_tokens and st is not None and st.result is None:
+                self.wait_hit(req_id)  # looked up again (after a failed load): wait for it
         raise AssertionError(f"{req_id} did not finish in {max_steps} steps")
 
     def serve(self, req_id: str, tokens: list[int], **kwargs: Any) -> int:
