@@ -3,15 +3,16 @@
 Run as ``python tests/vllm_hybrid_child.py '<json spec>'``.  It runs the spec's ``rounds``
 one after the other; each round generates every prompt (one ``generate`` call) and may first
 reset vLLM's prefix cache (``reset``: so that a round's hits can only come from lmprefetch),
-zero vLLM's KV cache (``wipe``: a stale block cannot stand in for a restored one) and may break lmprefetch's restore on purpose (``break``: the group kind whose restored rows
-are dropped; the worker must live in this process).  It prints one JSON line prefixed
-``RESULT ``: per round the outputs and cached tokens, the KV cache groups vLLM built, whether
-HMA is off, and (one rank) the connector's counters.
+zero vLLM's KV cache (``wipe``: a stale block cannot stand in for a restored one) and break
+lmprefetch's restore on purpose (``break``: the group kind whose restored rows are dropped).
+It prints one JSON line prefixed ``RESULT ``: per round the outputs and cached tokens, the KV
+cache groups vLLM built, whether HMA is off, and (one rank) the connector's counters.
 
 Spec fields: ``model``, ``dtype``, ``prompts``, ``rounds`` (``[{"prompts": [...], "reset":
-bool, "wipe": bool, "break": kind|null}]``), ``max_tokens``, ``prefix_caching``, ``kv_transfer_config``
-(or null), ``disable_hma`` (null: vLLM decides), ``tensor_parallel_size``,
-``kv_cache_memory_bytes``.
+bool, "wipe": bool, "break": kind|null}]``), ``max_tokens``, ``prefix_caching``,
+``kv_transfer_config`` (or null), ``disable_hma`` (null: vLLM decides),
+``tensor_parallel_size``, ``kv_cache_memory_bytes``, ``load_format``,
+``max_num_batched_tokens``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import time
 from typing import Any
 
 
-def _break_restore(kind: str) -> None:
+# These run on every worker (``LLM.collective_rpc``: in this process with one rank, in vLLM's
+# worker processes with several), and take the worker as their first argument.
+def _break_restore(_worker: Any, kind: str) -> None:
     """Drop every restored row of the KV cache groups of ``kind`` (the test's deliberate bug)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -39,7 +42,7 @@ def _break_restore(kind: str) -> None:
     worker._claim_group_keys = claim
 
 
-def _wipe_kv_cache() -> None:
+def _wipe_kv_cache(_worker: Any) -> None:
     """Zero vLLM's whole KV cache (through the connector's views of it): blocks freed by an
     earlier round may still hold the same prompt's KV, which would hide a restore that
     writes nothing."""
@@ -84,6 +87,8 @@ def main() -> int:
         tensor_parallel_size=tp,
         distributed_executor_backend="uni" if tp == 1 else "mp",
         kv_transfer_config=ktc,
+        load_format=spec.get("load_format", "auto"),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         **kwargs,
     )
     params = SamplingParams(
@@ -94,9 +99,9 @@ def main() -> int:
         if rnd.get("reset"):
             _reset_prefix_cache(llm)
         if rnd.get("wipe"):
-            _wipe_kv_cache()
+            llm.collective_rpc(_wipe_kv_cache)
         if rnd.get("break"):
-            _break_restore(rnd["break"])
+            llm.collective_rpc(_break_restore, args=(rnd["break"],))
         prompts = [TokensPrompt(prompt_token_ids=spec["prompts"][i]) for i in rnd["prompts"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append(

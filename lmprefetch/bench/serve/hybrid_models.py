@@ -90,20 +90,22 @@ HYBRID_MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
 _SLOW_A = 0.001
 
 
-def _transformers_config(name: str) -> Any:
+def _transformers_config(name: str, changes: dict[str, Any] | None = None) -> Any:
     from transformers import CONFIG_MAPPING
 
     model_type, overrides, dtype = HYBRID_MODELS[name]
-    return CONFIG_MAPPING[model_type](**{**_COMMON, **overrides}, dtype=dtype)
+    fields = {**_COMMON, **overrides, **(changes or {})}
+    return CONFIG_MAPPING[model_type](**fields, dtype=dtype)
 
 
-def hybrid_config(name: str) -> dict[str, Any]:
-    """The ``config.json`` of model ``name`` (see :data:`HYBRID_MODELS`).
+def hybrid_config(name: str, changes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of model ``name`` (see :data:`HYBRID_MODELS`), with ``changes``
+    to its fields (e.g. ``{"num_key_value_heads": 2}`` for two tensor-parallel ranks).
 
     Raises:
         KeyError: an unknown name.
     """
-    config = _transformers_config(name)
+    config = _transformers_config(name, changes)
     out: dict[str, Any] = config.to_dict()
     out["architectures"] = [_ARCHITECTURES[name]]
     return out
@@ -117,7 +119,12 @@ _ARCHITECTURES = {
 
 
 def write_hybrid_model(
-    directory: Path, name: str, *, weights: bool = False, seed: int = 0
+    directory: Path,
+    name: str,
+    *,
+    weights: bool = False,
+    seed: int = 0,
+    changes: dict[str, Any] | None = None,
 ) -> Path:
     """Write model ``name`` into ``directory`` (created); returns the directory.
 
@@ -126,17 +133,19 @@ def write_hybrid_model(
         name: one of :data:`HYBRID_MODELS`.
         weights: also write random weights (transformers' initialisation, seeded).
         seed: the weights' seed.
+        changes: changes to the model's config fields.
     """
     directory.mkdir(parents=True, exist_ok=True)
     if not weights:
-        (directory / "config.json").write_text(json.dumps(hybrid_config(name), indent=1))
+        config_json = hybrid_config(name, changes)
+        (directory / "config.json").write_text(json.dumps(config_json, indent=1))
         return directory
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, HYBRID_MODELS[name][2])
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_transformers_config(name), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(_transformers_config(name, changes), dtype=dtype)
     if name == "qwen3-next":
         with torch.no_grad():
             for param_name, param in model.named_parameters():
