@@ -300,6 +300,7 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
         "lmprefetch_cpu",
         "lmprefetch_disk_restart",
         "shared_redis",
+        "lmprefetch_hybrid",
         "lmcache",
         "lmcache_mp",
     ]
@@ -320,7 +321,7 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
         assert figures["hit_tokens"] == 0
     # Every measured long-document question finds its whole document cached (vLLM's pool is
     # too small to keep it, so lmprefetch serves it).
-    for name in ("lmprefetch_cpu", "lmprefetch_disk_restart", "shared_redis"):
+    for name in ("lmprefetch_cpu", "lmprefetch_disk_restart", "shared_redis", "lmprefetch_hybrid"):
         entry = scenarios[name]
         assert entry["hit_tokens"] == measured_docs * doc_tokens, name
         assert entry["metrics"]["external_kv_transfer"] > 0, name
@@ -328,6 +329,8 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
         assert probe["tier_hit"]["cached_tokens"] == [probe["full_hit_tokens"]] * len(
             probe["tier_hit"]["cached_tokens"]
         ), name
+    # The hybrid scenario ran a sliding-window model (two KV cache groups).
+    assert scenarios["lmprefetch_hybrid"]["model"].startswith("sliding-window hybrid")
     assert {g["key"] for g in result["goals"]} == {
         "long_doc_p50_vs_apc",
         "cpu_hit_vs_apc_hit",

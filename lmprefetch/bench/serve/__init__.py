@@ -18,6 +18,8 @@ One command (``lmprefetch bench-serve``; ``--quick`` for a reduced run of a few 
 The scenarios (:data:`.run.SCENARIOS`): ``recompute`` (no connector, prefix caching off),
 ``apc`` (vLLM's prefix caching), ``lmprefetch_cpu``, ``lmprefetch_disk_restart`` (the server
 restarted between rounds), ``shared_redis`` (two servers and one Redis, requests alternating),
+``lmprefetch_hybrid`` (the Llama with every other layer a sliding window, served with vLLM's
+hybrid KV cache manager on: two KV cache groups),
 ``lmcache`` (LMCache's in-process ``LMCacheConnectorV1``) and ``lmcache_mp`` (LMCache's
 ``LMCacheMPConnector`` with an ``lmcache server`` process), both in the environment of
 ``--lmcache-python`` and reported with the reason when they cannot run.

@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HYBRID_MODELS", "hybrid_config", "write_hybrid_model"]
+__all__ = ["HYBRID_MODELS", "hybrid_config", "sliding_window_variant", "write_hybrid_model"]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 1000,
@@ -83,6 +83,16 @@ HYBRID_MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
         "bfloat16",
     ),
 }
+
+
+def sliding_window_variant(llama: dict[str, Any], window: int = 512) -> dict[str, Any]:
+    """A Llama ``config.json`` (a dict) with every other layer a sliding window of ``window``
+    tokens, starting with the first (``layer_types``, which vLLM's Llama reads): the same work
+    per token, two KV cache groups under vLLM's hybrid KV cache manager."""
+    layers = int(llama["num_hidden_layers"])
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {**llama, "layer_types": types, "sliding_window": window}
+
 
 #: Qwen3-Next's slowed decay: ``g = -exp(A_log) * softplus(...)`` per token, so a state keeps
 #: about ``exp(-0.001 * 1.3 * n)`` of itself after ``n`` tokens (transformers draws A from
