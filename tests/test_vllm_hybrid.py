@@ -18,6 +18,8 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -1027,3 +1029,56 @@ def test_a_hybrid_answer_too_old_to_trust_is_looked_up_again(
     stats = h.wait_worker_quiet()
     assert stats["lookups_cancelled"] >= 2  # the old prefix and window lookups
     assert_worker_idle(stats)
+
+
+# -- plans and imports ------------------------------------------------------------------------
+def test_a_state_goes_into_the_boundary_block_and_every_block_after_it() -> None:
+    """vLLM copies the boundary state into the running block before a synchronous load, so a
+    restored state lands in both; vLLM's null block gets nothing, and a sliding-window chunk
+    gets only its rows under the window."""
+    from lmprefetch.integration.vllm.groups import KVGroup
+    from lmprefetch.integration.vllm.hits import SubLookup
+    from lmprefetch.integration.vllm.plans import plan_hybrid_load
+
+    mamba = KVGroup(0, "mamba", 16, (L[0],), None, 0, b"m" * 16)
+    sw = KVGroup(1, "sliding_window", 16, (L[1],), 40, 0, b"s" * 16)
+
+    class Settled:  # a settled HybridLookup: what plan_hybrid_load reads
+        def __init__(self) -> None:
+            self.used = [
+                SubLookup("r|lmp-s3", [(mamba, 2)], [11], 0),
+                SubLookup("r|lmp-w1-3", [(sw, c) for c in range(3)], [20, 21, 22], 1),
+            ]
+
+    block_ids = [[0, 0, 0, 0, 0, 7, 9], [0, 0, 0, 4, 5, 6, 8]]
+    claims = plan_hybrid_load(Settled(), CHUNK, block_ids, 0, 96)  # type: ignore[arg-type]
+    assert claims is not None
+    state, window = claims
+    [key] = state.keys
+    assert (key.chunk_hash, key.rows, key.block_ids) == (11, [0, 0], [7, 9])
+    # Window 40 before 96: tokens 57..95, blocks 3..5 (chunk 1 row 1, chunk 2 rows 0 and 1).
+    assert [(k.chunk_hash, k.rows, k.block_ids) for k in window.keys] == [
+        (21, [1], [4]),
+        (22, [0, 1], [5, 6]),
+    ]
+    # The boundary's state block is vLLM's null block: the load cannot be planned.
+    no_state = [[0] * 7, block_ids[1]]
+    assert plan_hybrid_load(Settled(), CHUNK, no_state, 0, 96) is None  # type: ignore[arg-type]
+
+
+def test_the_connector_module_imports_on_a_vllm_without_hma_support() -> None:
+    code = (
+        "import vllm.distributed.kv_transfer.kv_connector.v1.base as base\n"
+        "del base.SupportsHMA, base.KVConnectorTransferResults\n"
+        "from lmprefetch.integration.vllm import LMPrefetchConnector\n"
+        "from lmprefetch.integration.vllm import connector\n"
+        "assert connector.KVConnectorTransferResults is None\n"
+        "assert 'request_finished_all_groups' in vars(LMPrefetchConnector)\n"
+        "print('imported')\n"
+    )
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("imported")
