@@ -143,7 +143,7 @@ def best_boundary(s: dict[str, Any]) -> int:
     return max([skip, *(b for b in range(skip + 1, cap + 1) if serves(b))])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_the_hit_is_the_highest_boundary_every_group_serves(s: dict[str, Any]) -> None:
     client = FakeClient(s["stored"], s["delays"])

@@ -6,7 +6,8 @@ go on from token ``b`` (:meth:`KVGroup.first_needed_token`):
 * full attention: every chunk before ``b`` — one **prefix lookup** over the full-attention
   groups' keys, interleaved chunk by chunk (``F`` = its answer, in chunks);
 * sliding window: the chunks under the window before ``b`` — a lookup of the window's chunks
-  only (the chunks before it are ``skip_tokens``: neither probed nor loaded);
+  only (the chunks before it are ``skip_tokens``: neither probed nor loaded), one per window
+  size, so a short window is not held to a longer one's chunks;
 * Mamba / GDN: the recurrent state at ``b`` — one small lookup per candidate boundary, a batch
   of :data:`STATE_CANDIDATES` boundaries at a time from the top, since states exist only where
   vLLM handed one over (a few per request).
@@ -56,9 +57,10 @@ class SubLookup:
     hashes: list[int]
     skip: int
     answer: int | None = None
-    #: For window lookups: the chunk range ``[lo, hi)`` it verifies.
+    #: For window lookups: the chunk range ``[lo, hi)`` it verifies, and its window set.
     lo: int = 0
     hi: int = 0
+    window: tuple[int, int] = (0, 0)
     sent: bool = field(default=False, repr=False)
 
     @property
@@ -100,7 +102,12 @@ class HybridLookup:
         self._cs = chunk_size
         self._chain = list(chain_hashes)
         self._full = groups.of_kind("full")
-        self._window_groups = groups.of_kind("sliding_window")
+        # Sliding-window groups by what they need (window, retained tokens): one window lookup
+        # per set, so a group with a short window is not held to a longer one's chunks.
+        self._window_sets: dict[tuple[int, int], list[KVGroup]] = {}
+        for g in groups.of_kind("sliding_window"):
+            key = (g.window or 0, g.extra_retained_tokens)
+            self._window_sets.setdefault(key, []).append(g)
         self._mamba = groups.of_kind("mamba")
         self._on_lookup = on_lookup
         #: The highest boundary (in chunks) that leaves a token to compute.
@@ -114,7 +121,8 @@ class HybridLookup:
         self.result: int | None = None
         #: The lookups whose keys the hit loads (window and state: the ones that decided).
         self.used: list[SubLookup] = []
-        self._window_used: SubLookup | None = None
+        #: The window lookup that verified the current boundary, per window set.
+        self._window_used: dict[tuple[int, int], SubLookup] = {}
 
     # -- the lookups ------------------------------------------------------------------------
     @property
@@ -197,24 +205,29 @@ class HybridLookup:
                 continue
             return self._finish(b)
 
-    def _window_range(self, b: int) -> tuple[int, int]:
-        """The chunks ``[lo, b)`` the window groups need below boundary ``b`` (in chunks)."""
-        first = min(g.first_needed_token(b * self._cs) for g in self._window_groups)
+    def _window_range(self, b: int, groups: list[KVGroup]) -> tuple[int, int]:
+        """The chunks ``[lo, b)`` a window set needs below boundary ``b`` (in chunks)."""
+        first = min(g.first_needed_token(b * self._cs) for g in groups)
         return max(self.skip, first // self._cs), b
 
     def _window_allows(self, b: int) -> int | None:
         """``b`` if every window group's chunks under the window before ``b`` are there, else
         the highest boundary below ``b`` they allow (checked again by the caller); ``None``
-        while pending."""
-        self._window_used = None
-        if not self._window_groups:
-            return b
-        lo, hi = self._window_range(b)
+        while pending.  Every window set is asked (their lookups run side by side)."""
+        self._window_used = {}
+        allowed: int | None = b
+        for key, groups in self._window_sets.items():
+            got = self._window_set_allows(b, key, groups)
+            allowed = None if got is None or allowed is None else min(allowed, got)
+        return allowed
+
+    def _window_set_allows(self, b: int, key: tuple[int, int], groups: list[KVGroup]) -> int | None:
+        lo, hi = self._window_range(b, groups)
         if lo >= hi:
             return b
-        g = len(self._window_groups)
+        g = len(groups)
         for sub in self._windows:
-            if sub.lo > lo or sub.hi < hi:
+            if sub.window != key or sub.lo > lo or sub.hi < hi:
                 continue
             answer = self._poll_sub(sub)
             if answer is None:
@@ -223,16 +236,16 @@ class HybridLookup:
                 return self.skip  # the lookup failed or timed out: no window, no hit
             verified = answer // g  # chunks present contiguously from 0 (skipped counted)
             if verified >= hi:
-                self._window_used = sub
+                self._window_used[key] = sub
                 return b
             if verified >= lo:
                 return verified  # chunk `verified` is missing: the boundary cannot pass it
             # The first missing chunk lies below the range this boundary needs: ask again.
-        entries = [(grp, c) for c in range(hi) for grp in self._window_groups]
-        sub = self._make(f"w{lo}-{hi}", entries, lo * g)
-        sub.lo, sub.hi = lo, hi
+        entries = [(grp, c) for c in range(hi) for grp in groups]
+        sub = self._make(f"w{key[0]}.{lo}-{hi}", entries, lo * g)
+        sub.lo, sub.hi, sub.window = lo, hi, key
         self._windows.append(self._send(sub))
-        return self._window_allows(b) if sub.answer is not None else None
+        return self._window_set_allows(b, key, groups) if sub.answer is not None else None
 
     def _state_allows(self, b: int) -> int | None:
         """``b`` if the Mamba groups' states at ``b`` are there, else the highest boundary
@@ -270,10 +283,10 @@ class HybridLookup:
         if b > self.skip:
             if self._prefix is not None:
                 used.append(self._prefix)
-            if self._window_groups and self._window_used is not None:
-                lo, hi = self._window_range(b)
+            for key, groups in self._window_sets.items():
+                lo, hi = self._window_range(b, groups)
                 if lo < hi:
-                    used.append(self._window_used)
+                    used.append(self._window_used[key])
             if self._mamba:
                 used.append(self._states[b])
         self.used = used
