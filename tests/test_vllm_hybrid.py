@@ -171,6 +171,7 @@ def make_vllm_config(
     extra: dict[str, Any] | None = None,
     kv_events: bool = False,
     prefix_caching: bool | None = None,
+    batched_tokens: int = 512,
 ) -> VllmConfig:
     has_mamba = any(g.kind == "mamba" for g in groups)
     # Mamba groups need vLLM's prefix caching (align mode); the tests reset it between rounds.
@@ -185,7 +186,7 @@ def make_vllm_config(
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
-            max_num_batched_tokens=512,
+            max_num_batched_tokens=batched_tokens,
             max_model_len=1024,
             enable_chunked_prefill=True,
             async_scheduling=False,
@@ -651,6 +652,22 @@ def test_mamba_hit_is_a_boundary_with_a_state_or_none(make_harness: Any) -> None
     assert h.wait_hit("other") == 0
     h.run_until_finished("other")
     assert h.computed["other"] == len(other)
+    assert h.wrong_states == []
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_chunked_prefill_saves_a_state_at_every_step_boundary(make_harness: Any) -> None:
+    """With 64-token steps vLLM hands over the state at 64, 128 and 192: a later prompt that
+    shares only the first 130 tokens is served up to 128 (a state exists there)."""
+    h = make_harness("mamba+full", batched_tokens=64)
+    prompt = tokens_of(19, 200)
+    h.serve("first", prompt)
+    stats = h.wait_worker_quiet()
+    assert stats["chunks_stored"] == 6 + 3  # 6 full-attention chunks, states at 2, 4 and 6
+    h.wipe()
+    other = [*prompt[:130], *tokens_of(20, 70)]
+    assert h.serve("other", other) == 128
+    assert h.computed["other"] == len(other) - 128
     assert h.wrong_states == []
     assert_worker_idle(h.wait_worker_quiet())
 
