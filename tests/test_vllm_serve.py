@@ -195,6 +195,7 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
         "lmprefetch_disk_restart",
         "shared_redis",
         "shared_mooncake",
+        "lmprefetch_hybrid",
         "lmcache",
         "lmcache_mp",
     ]
@@ -223,7 +224,7 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
     shared_tiers = ["shared_redis"]
     if not scenarios["shared_mooncake"].get("unavailable"):
         shared_tiers.append("shared_mooncake")
-    for name in ("lmprefetch_cpu", "lmprefetch_disk_restart", *shared_tiers):
+    for name in ("lmprefetch_cpu", "lmprefetch_disk_restart", *shared_tiers, "lmprefetch_hybrid"):
         entry = scenarios[name]
         assert entry["hit_tokens"] == measured_docs * doc_tokens, name
         assert entry["metrics"]["external_kv_transfer"] > 0, name
@@ -231,6 +232,8 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
         assert probe["tier_hit"]["cached_tokens"] == [probe["full_hit_tokens"]] * len(
             probe["tier_hit"]["cached_tokens"]
         ), name
+    # The hybrid scenario ran a sliding-window model (two KV cache groups).
+    assert scenarios["lmprefetch_hybrid"]["model"].startswith("sliding-window hybrid")
     assert {g["key"] for g in result["goals"]} == {
         "long_doc_p50_vs_apc",
         "cpu_hit_vs_apc_hit",

@@ -197,6 +197,7 @@ def render_config_reference(cls: type | None = None) -> str:
 #: What the vLLM connector does with a field the user leaves out of
 #: ``kv_connector_extra_config`` (lmprefetch/integration/vllm/worker.py, ``_finalize_config``).
 DERIVED_BY_CONNECTOR = {
+    "chunk_size": "256, rounded up to a multiple of every KV cache group's block size",
     "model_name": "the model path (`@` replaced by `_`)",
     "kv_dtype": "the KV cache tensors' dtype",
     "chunk_bytes": "exactly one chunk's KV on the rank",

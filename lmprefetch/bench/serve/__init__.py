@@ -21,6 +21,8 @@ restarted between rounds), ``shared_redis`` (two servers and one Redis, requests
 ``shared_mooncake`` (the same with one Mooncake master: it runs only in a private network
 namespace, ``python -m lmprefetch.bench.netns lmprefetch bench-serve ...``, since Mooncake's
 clients listen on every interface),
+``lmprefetch_hybrid`` (the Llama with every other layer a sliding window, served with vLLM's
+hybrid KV cache manager on: two KV cache groups),
 ``lmcache`` (LMCache's in-process ``LMCacheConnectorV1``) and ``lmcache_mp`` (LMCache's
 ``LMCacheMPConnector`` with an ``lmcache server`` process), both in the environment of
 ``--lmcache-python`` and reported with the reason when they cannot run.

@@ -33,6 +33,10 @@ class Scenario:
         restart_between_rounds: stop and start the server between rounds.
         probe: the probe's transition (``"cpu"``, ``"disk"``, ``"redis"``, ``"mooncake"``), if
             any.
+        model: ``"sliding-window"``: the servers serve the benchmark's Llama with every other
+            layer a sliding window (:func:`.hybrid_models.sliding_window_variant`), which
+            vLLM's hybrid KV cache manager splits into two KV cache groups; ``None``: the
+            benchmark's Llama.
     """
 
     name: str
@@ -43,6 +47,7 @@ class Scenario:
     servers: int = 1
     restart_between_rounds: bool = False
     probe: str | None = None
+    model: str | None = None
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -78,6 +83,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         tier="mooncake",
         servers=2,
         probe="mooncake",
+    ),
+    Scenario(
+        "lmprefetch_hybrid",
+        "prefix caching + lmprefetch, CPU tier, hybrid model (sliding window + full attention)",
+        connector="lmprefetch",
+        probe="cpu",
+        model="sliding-window",
     ),
     Scenario("lmcache", "prefix caching + LMCache 0.5.6 LMCacheConnectorV1", connector="lmcache"),
     Scenario(

@@ -8,8 +8,8 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
                       "gen_tok_per_s": …, "hit_tokens": …, "hit_tokens_metrics": …,
                       "speedup_vs_recompute": …, "speedup_vs_apc": …, "chat": {…}, …},
         "apc": {…}, "lmprefetch_cpu": {…, "probe": {…}}, "lmprefetch_disk_restart": {…},
-        "shared_redis": {…}, "shared_mooncake": {…}, "lmcache": {… or "error": "…"},
-        "lmcache_mp": {…}},
+        "shared_redis": {…}, "shared_mooncake": {…}, "lmprefetch_hybrid": {…, "model": "…",
+        "probe": {…}}, "lmcache": {… or "error": "…"}, "lmcache_mp": {…}},
      "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
 
@@ -130,6 +130,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         entry["startup_s"] = [round(s, 1) for s in raw["startup_s"]]
         if "versions" in raw:
             entry["versions"] = raw["versions"]
+        if "model" in raw:  # a scenario with its own model (the hybrid one)
+            entry["model"] = raw["model"]
         if "probe" in raw:
             entry["probe"] = _probe(raw["probe"], full_hit)
         scenarios[name] = entry
@@ -247,6 +249,11 @@ def format_report(summary: dict[str, Any]) -> str:
         f"  vLLM KV pool {s['kv_pool_tokens']:,} tokens ({s['kv_pool_bytes'] >> 20} MiB), "
         f"block {s['block_size']}; lmprefetch chunk {s['chunk_size']} tokens, CPU tier "
         f"{s['lmprefetch_cpu_bytes'] >> 20} MiB",
+        *(
+            f"  {name}: {e['model']} (the same work per token; vLLM's hybrid KV cache manager on)"
+            for name, e in summary["scenarios"].items()
+            if e.get("model")
+        ),
         "",
         f"Long-document QA: {ld['docs']} documents x {ld['doc_tokens']:,} tokens "
         f"(KV {ld['docs'] * (ld['doc_tokens'] + ld['question_tokens']) * kv_tok >> 20} MiB, "

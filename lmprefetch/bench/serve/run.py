@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from .client import (
     reset_prefix_cache,
     scrape_metrics,
 )
+from .hybrid_models import sliding_window_variant
 from .model import write_model
 from .options import SCENARIOS, Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
@@ -488,6 +489,16 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
     kv_config: dict[str, Any] | None = None
     notes: dict[str, Any] = {}
     scenario_tmp = Path(tempfile.mkdtemp(prefix=f"{sc.name}-", dir=ctx.tmp))
+    if sc.model == "sliding-window":
+        # The same Llama with every other layer a sliding window: vLLM keeps its hybrid KV
+        # cache manager on with lmprefetch (two KV cache groups).
+        model = sliding_window_variant(opts.model)
+        ctx = replace(ctx, model_dir=write_model(scenario_tmp / "model", model))
+        notes["model"] = (
+            "sliding-window hybrid: layer_types "
+            + ",".join("sw" if t == "sliding_attention" else "full" for t in model["layer_types"])
+            + f", window {model['sliding_window']}"
+        )
     if sc.connector in ("lmcache", "lmcache_mp"):
         python = opts.lmcache_python or opts.python
         notes["versions"] = await _lmcache_preflight(python)

@@ -11,8 +11,9 @@ Enable it with::
 ``kv_connector_extra_config`` takes :class:`~lmprefetch.config.PrefetchConfig` field names, and
 optionally ``config_file`` (a TOML file read with :meth:`PrefetchConfig.from_file`; the other
 keys override it).  Fields left unset are derived from vLLM: ``model_name`` (the model path),
-``kv_dtype`` (the KV cache tensors' dtype), ``chunk_bytes`` (exactly one chunk's payload) and, in
-layerwise mode, ``num_layers``.  ``chunk_size`` must be a multiple of vLLM's block size.
+``kv_dtype`` (the KV cache tensors' dtype), ``chunk_bytes`` (exactly one chunk's payload),
+``chunk_size`` (256 rounded up to a multiple of every KV cache group's block size) and, in
+layerwise mode, ``num_layers``.  A ``chunk_size`` given must be such a multiple.
 
 How one request travels
 -----------------------
@@ -71,6 +72,18 @@ digest of its files), so they never share a chunk with another tenant, another a
 unsalted requests (``tenancy.py``).  Requests with multimodal inputs or prompt embeddings are
 never looked up nor saved: their KV depends on data the token ids do not name.  Requests that
 skip prefix-cache reads (e.g. prompt logprobs) are saved but not looked up.
+
+Hybrid models
+-------------
+The connector is ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, with one KV cache
+group per kind of layer (full attention, sliding window, Mamba / GDN).  A model with one
+full-attention group works as described above.  Any other model is *hybrid*
+(``groups.py``): each group's chunk is stored under its own key (the chunk hash mixed with the
+group's identity), the hit is the chunk boundary every group agrees on (``hits.py``: the
+full-attention prefix, the sliding window's chunks before the boundary, the Mamba state at
+it), the load is asynchronous for vLLM and all or nothing, reported by request
+(``failed_recving``), and the saves follow each group's blocks (``plans.py``: never vLLM's null
+block; Mamba states where vLLM hands them over).  See ``docs/vllm.md``, "Hybrid models".
 
 KV events
 ---------

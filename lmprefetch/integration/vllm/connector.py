@@ -18,16 +18,35 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import KVEvent
 from .config import load_prefetch_config
+from .groups import read_groups, resolve_chunk_size
 from .metadata import LMPrefetchConnectorMetadata, LMPrefetchConnectorStats, LMPrefetchKVEvents
 from .scheduler import _SchedulerSide
 from .worker import _WorkerSide
+
+try:  # vLLM >= 0.11.1: the hybrid KV cache manager's connector interface
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM: HMA stays off, the class is a plain mixin
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stands in for vLLM's ``SupportsHMA`` where vLLM has none."""
+
+
+try:  # vLLM with request-level load failures (``failed_recving``)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None
 
 log = logging.getLogger("lmprefetch.integration.vllm")
 
 
 # -- the connector ------------------------------------------------------------------------------
-class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """lmprefetch as a vLLM v1 KV connector (see the module docstring)."""
+class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """lmprefetch as a vLLM v1 KV connector (see the module docstring).
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``), so vLLM keeps HMA on with it:
+    sliding-window, mixed-head-size and Mamba / GDN hybrid models keep their per-group KV cache
+    (see ``docs/vllm.md``, "Hybrid models").
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -35,17 +54,16 @@ class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         config, explicit = load_prefetch_config(extra)
-        block_size = int(vllm_config.cache_config.block_size)
-        if config.chunk_size % block_size:
-            raise ValueError(
-                f"chunk_size: {config.chunk_size} is not a multiple of vLLM's block size "
-                f"({block_size}); set chunk_size in kv_connector_extra_config to a multiple of it"
-            )
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise ValueError(
-                "LMPrefetchConnector supports one KV cache group (no hybrid models); "
-                f"got {len(groups)}"
+        # The block size comes from the KV cache groups: vLLM has rewritten
+        # cache_config.block_size by now (32 on the CPU backend, 640 for Qwen3-Next, and
+        # hybrid groups may differ from each other).
+        groups = read_groups(kv_cache_config, int(vllm_config.cache_config.block_size))
+        config = resolve_chunk_size(config, explicit, groups)
+        if groups.unsupported is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                "LMPrefetchConnector: lmprefetch cannot restore this model's KV cache (%s); "
+                "it neither looks up nor saves.  See docs/vllm.md, Hybrid models",
+                groups.unsupported,
             )
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
@@ -58,9 +76,9 @@ class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(vllm_config, kv_cache_config, config)
+            self._scheduler = _SchedulerSide(vllm_config, kv_cache_config, config, groups)
         else:
-            self._worker = _WorkerSide(vllm_config, kv_cache_config, config, explicit)
+            self._worker = _WorkerSide(vllm_config, kv_cache_config, config, explicit, groups)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -103,6 +121,15 @@ class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: vLLM calls this instead of :meth:`request_finished` (with one
+        block list per KV cache group).  Cleanup is by request id, and saves complete inside
+        their step, so no block outlives the request."""
+        first = list(block_ids[0]) if block_ids else []
+        return self.scheduler_side.request_finished(request, first)
+
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
@@ -127,6 +154,21 @@ class LMPrefetchConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Hybrid loads (asynchronous for vLLM) this step ran, failed or not (a vLLM that
+        calls this instead of :meth:`get_transfer_results` takes no request-level failures)."""
+        done, _ = self.worker_side.take_finished_recving()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """:meth:`get_finished`, and the hybrid loads that failed (``failed_recving``: with
+        more than one KV cache group vLLM takes load failures only by request)."""
+        done, failed = self.worker_side.take_finished_recving()
+        assert KVConnectorTransferResults is not None  # only such a vLLM calls this
+        return KVConnectorTransferResults(
+            finished_sending=set(), finished_recving=done, failed_recving=failed
+        )
 
     def get_kv_connector_kv_cache_events(self) -> LMPrefetchKVEvents | None:
         """The rank's KV events since the last step (lmprefetch's tiers: stores, evictions)."""

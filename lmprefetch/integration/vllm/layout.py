@@ -198,6 +198,26 @@ class PagedKVLayout:
                 for first, i, k in runs:
                     layer.rows[first : first + k].copy_(src[i : i + k])
 
+    def inject_rows(
+        self, parts: Sequence[Any], rows: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        """Copy row ``rows[i]`` of one payload into block ``block_ids[i]``, for every ``i``
+        (rows in any order, a row into several blocks): :meth:`inject` per run of consecutive
+        rows going to consecutive positions of the lists.
+
+        Raises:
+            ValueError: as :meth:`inject`, or the lists differ in length.
+        """
+        if len(rows) != len(block_ids):
+            raise ValueError(f"inject_rows: {len(rows)} rows for {len(block_ids)} blocks")
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                j += 1
+            self.inject(parts, rows[i], rows[j - 1] + 1, block_ids[i:j])
+            i = j
+
     def synchronize(self) -> None:
         """Wait for copies issued on the device's current stream (no-op on CPU)."""
         if self.device.type == "cuda":

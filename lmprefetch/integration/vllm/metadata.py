@@ -58,11 +58,68 @@ class SaveSpec:
 
 
 @dataclass
+class GroupRows:
+    """One key a hybrid load claims: its hash (checked against the claimed key), its KV cache
+    group, and where its payload's rows go: row ``rows[i]`` into block ``block_ids[i]`` of the
+    group (never vLLM's null block 0).  A key with no rows is claimed but not copied (it lies
+    before what this load needs)."""
+
+    chunk_hash: int
+    group: int
+    rows: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class GroupClaim:
+    """The keys one lookup of a hybrid request loads, in the claim's order (the first key
+    after the lookup's skipped ones)."""
+
+    lookup_id: str
+    keys: list[GroupRows]
+
+
+@dataclass
+class HybridLoadSpec:
+    """Load tokens ``[start_token, end_token)`` of a request on a hybrid model.
+
+    Every claim must yield every key it lists, else the request's load failed as a whole
+    (reported by request: ``failed_recving``).  The load is asynchronous for vLLM: the worker
+    reports the request in ``finished_recving`` in the step it ran, failed or not.  ``described``
+    names chunks for KV events, as in :class:`LoadSpec`: ``(hash, blocks)`` pairs."""
+
+    req_id: str
+    start_token: int
+    end_token: int
+    claims: list[GroupClaim]
+    described: list[tuple[int, ChunkBlocks]] | None = None
+
+
+@dataclass
+class HybridSaveSpec:
+    """Store keys of a request on a hybrid model whose KV is complete after this step.
+
+    Key ``i`` is ``chunk_hashes[i]``, of KV cache group ``groups[i]``; its payload is the rows
+    of blocks ``block_ids[i]`` of that group (a chunk's blocks, or one Mamba state block).
+    ``blocks[i]`` (KV events on) names key ``i`` when it is a full-attention chunk that is
+    announced, else ``None``."""
+
+    req_id: str
+    chunk_hashes: list[int]
+    groups: list[int]
+    block_ids: list[list[int]]
+    blocks: list[ChunkBlocks | None] | None = None
+
+
+@dataclass
 class LMPrefetchConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's plan: the loads to do before the forward, the saves after it."""
+    """One step's plan: the loads to do before the forward, the saves after it (hybrid models
+    use the ``hybrid_`` lists)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    hybrid_loads: list[HybridLoadSpec] = field(default_factory=list)
+    hybrid_saves: list[HybridSaveSpec] = field(default_factory=list)
 
 
 # -- KV events (workers → scheduler; pickled every step) ------------------------------------
@@ -110,7 +167,9 @@ class LMPrefetchConnectorStats(KVConnectorStats):  # type: ignore[misc]
     ``save_chunks_planned``, ``kv_events`` (KV events handed to vLLM's publisher).  Worker
     side (summed over ranks): ``loaded_chunks``, ``loaded_bytes``, ``load_failures`` (requests
     whose claim came back short), ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
-    ``save_errors``.
+    ``save_errors``.  Hybrid models count keys (one per group and chunk, or Mamba state) in
+    ``loaded_chunks``, ``saved_chunks`` and ``save_chunks_planned``, and the lookups a request's
+    hit is built from (:mod:`.hits`) in ``group_lookups``.
     """
 
     def reset(self) -> None:

@@ -1,17 +1,29 @@
 """The scheduler side of the connector: lookups started on arrival, polled without blocking,
-loads and saves planned per step."""
+loads and saves planned per step.
+
+Two kinds of model (:mod:`.groups`): a *legacy* one (one full-attention KV cache group) is
+looked up with one prefix lookup and loaded synchronously, a failed load reported by block; a
+*hybrid* one (sliding-window or Mamba groups, or several groups) is looked up by
+:class:`~.hits.HybridLookup` and loaded asynchronously, a failed load reported by request
+(vLLM cannot map a block id back to a request when block ids are per group).  Where the hit of
+a request is decided: :meth:`_SchedulerSide._hit`.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import PrefetchConfig
 from ...events import ChunkBlocks, KVEvent, RankEventMerger
 from ...hashing import ChunkHasher
 from .config import _world_size, endpoint_names, kv_events_wanted
+from .groups import KVGroups, read_groups
+from .hits import HybridLookup
 from .metadata import (
+    HybridLoadSpec,
+    HybridSaveSpec,
     LMPrefetchConnectorMetadata,
     LMPrefetchConnectorStats,
     LMPrefetchKVEvents,
@@ -19,7 +31,11 @@ from .metadata import (
     SaveSpec,
     _Counters,
 )
+from .plans import plan_hybrid_load, plan_hybrid_saves
 from .tenancy import LoraIdentities, chunk_blocks, request_salt
+
+if TYPE_CHECKING:
+    from ...client import LookupClient
 
 log = logging.getLogger("lmprefetch.integration.vllm")
 
@@ -40,8 +56,10 @@ class _RequestState:
         "hashed_tokens",
         "hashes",
         "held",
+        "hybrid",
         "last_num_computed",
         "live",
+        "loaded_to",
         "lookup_ok",
         "request",
         "result",
@@ -78,19 +96,42 @@ class _RequestState:
         #: Chunk hashes of the request's first ``hashed_tokens`` tokens.
         self.hashes: list[int] = []
         self.hashed_tokens = 0
+        #: Hybrid models: the current lookups of the request (replaces ``live``/``held``).
+        self.hybrid: HybridLookup | None = None
+        #: Tokens loaded from lmprefetch (hybrid: Mamba states up to there are not saved again).
+        self.loaded_to = 0
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: PrefetchConfig) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        config: PrefetchConfig,
+        groups: KVGroups | None = None,
+    ) -> None:
         from ...client import LookupClient
 
         ktc = vllm_config.kv_transfer_config
+        cache_config = vllm_config.cache_config
+        if groups is None:
+            groups = read_groups(kv_cache_config, int(cache_config.block_size))
+        self._groups = groups
         self._config = config
-        self._block_size = int(vllm_config.cache_config.block_size)
+        self._block_size = groups.block_size
+        #: The block size of vLLM's block hashes (what KV events name blocks by).
+        self._hash_block_size = int(
+            getattr(kv_cache_config, "hash_block_size", None)
+            or getattr(cache_config, "hash_block_size", None)
+            or cache_config.block_size
+        )
         self._chunk_size = config.chunk_size
         self._hasher = ChunkHasher.from_config(config)
-        self._do_load = bool(ktc.is_kv_consumer)
-        self._do_save = bool(ktc.is_kv_producer)
+        # A model with a KV cache group lmprefetch cannot restore is neither looked up nor
+        # saved (the connector logged why when it was built).
+        active = groups.unsupported is None
+        self._do_load = bool(ktc.is_kv_consumer) and active
+        self._do_save = bool(ktc.is_kv_producer) and active
         self._stale_after_s = config.claim_ttl_s * _STALE_ANSWER_FRACTION
         world_size = _world_size(vllm_config)
         workers, response = endpoint_names(str(ktc.engine_id), world_size)
@@ -103,12 +144,17 @@ class _SchedulerSide:
         )
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._pending_hybrid_loads: dict[str, HybridLoadSpec] = {}
         self._kv_cache_manager: Any = None
         self.counters = _Counters()
 
     @property
-    def client(self) -> Any:
+    def client(self) -> LookupClient:
         return self._client
+
+    @property
+    def groups(self) -> KVGroups:
+        return self._groups
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -160,6 +206,9 @@ class _SchedulerSide:
         if st.live:
             self._client.forget(req_id)
             st.live = False
+        if self._groups.hybrid:
+            self._start_hybrid_lookup(st, local_tokens)
+            return
         if n_chunks == 0 or skip >= n_chunks * cs:
             # Nothing to look up past what vLLM holds: answer at once, no round trip.
             st.result = skip
@@ -181,11 +230,38 @@ class _SchedulerSide:
         if answer is not None:
             self._record_answer(st, answer)
 
+    def _start_hybrid_lookup(self, st: _RequestState, local_tokens: int) -> None:
+        """Start the lookups of a request on a hybrid model (see :mod:`.hits`)."""
+        req = st.request
+        if st.hybrid is not None:
+            st.hybrid.cancel()
+        n_tokens = len(req.all_token_ids)
+        lookup = HybridLookup(
+            req.request_id,
+            self._client,
+            self._groups,
+            self._chunk_size,
+            self._chunk_hashes(st, n_tokens),
+            n_tokens,
+            local_tokens,
+            on_lookup=lambda: self.counters.add("group_lookups"),
+        )
+        self.counters.add("lookups")
+        st.hybrid = lookup
+        lookup.start()
+        st.result = lookup.result
+        st.held = lookup.held
+
     def _record_answer(self, st: _RequestState, answer: int) -> None:
         st.result = answer
         st.held = answer > st.skip_tokens
 
     def _poll(self, st: _RequestState) -> int | None:
+        if st.hybrid is not None:
+            if st.result is None:
+                st.result = st.hybrid.poll()
+                st.held = st.hybrid.held
+            return st.result
         if st.result is None and st.live:
             answer = self._client.lookup(st.request.request_id, st.request.all_token_ids)
             if answer is not None:
@@ -209,25 +285,40 @@ class _SchedulerSide:
             self._client.forget(request.request_id)
             st.live = False
             self._start_lookup(st, num_computed_tokens)
-        hit = self._poll(st)
+        hit = self._hit(st, num_computed_tokens)
         if hit is None:
             return None, False
+        # Keep at least one token to compute (vLLM needs its logits).
+        external = max(
+            min(hit - num_computed_tokens, request.num_tokens - 1 - num_computed_tokens), 0
+        )
+        # Hybrid loads are asynchronous: only then can a failed one be reported by request.
+        return external, self._groups.hybrid and external > 0
+
+    def _hit(self, st: _RequestState, num_computed_tokens: int) -> int | None:
+        """The request's hit in tokens from token 0 (``None`` while pending): the one place
+        the connector decides how much it serves.
+
+        A legacy model's hit is its prefix lookup's answer; a hybrid model's is what its
+        groups converge to (:class:`~.hits.HybridLookup`, a chunk boundary below the last
+        token).  A hit is looked up again when vLLM's own hit has shrunk below the chunks the
+        lookup skipped (the answer has a gap) or when the answer is too old to trust (the
+        workers may release it before the step claims it)."""
+        hit = self._poll(st)
+        if hit is None:
+            return None
         if num_computed_tokens < st.skip_tokens or (
             st.held and _now() - st.started_at > self._stale_after_s
         ):
-            # vLLM's hit shrank below the skipped chunks (the answer has a gap), or the
-            # prefetch may expire before the step claims it: look up again.
             self.counters.add("lookup_restarts")
-            if st.held:
-                self._client.cancel(request.request_id)
+            if st.hybrid is not None:
+                st.hybrid.cancel()
+            elif st.held:
+                self._client.cancel(st.request.request_id)
                 st.live = False
             self._start_lookup(st, num_computed_tokens)
             hit = self._poll(st)
-            if hit is None:
-                return None, False
-        # Keep at least one token to compute (vLLM needs its logits).
-        external = min(hit - num_computed_tokens, request.num_tokens - 1 - num_computed_tokens)
-        return max(external, 0), False
+        return hit
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -238,6 +329,9 @@ class _SchedulerSide:
         hit = st.result or 0
         if st.save_ok:
             st.saved_tokens = max(st.saved_tokens, hit // self._chunk_size * self._chunk_size)
+        if st.hybrid is not None:
+            self._plan_hybrid_load(st, blocks, num_external_tokens)
+            return
         if num_external_tokens > 0:
             start = st.last_num_computed
             end = start + num_external_tokens
@@ -272,6 +366,58 @@ class _SchedulerSide:
         st.live = False
         st.held = False
 
+    def _plan_hybrid_load(self, st: _RequestState, blocks: Any, num_external_tokens: int) -> None:
+        """Plan a hybrid request's load (or release its lookups when nothing is loaded)."""
+        lookup = st.hybrid
+        assert lookup is not None
+        request = st.request
+        req_id = request.request_id
+        if num_external_tokens <= 0:
+            lookup.cancel()
+            st.held = False
+            return
+        start = st.last_num_computed
+        end = start + num_external_tokens
+        claims = None
+        if end == lookup.result:
+            claims = plan_hybrid_load(lookup, self._chunk_size, blocks.get_block_ids(), start, end)
+        if claims is None:
+            # vLLM's blocks (or token count) do not match the lookups: load nothing and
+            # report the request as failed (vLLM recomputes it under "recompute").
+            log.warning(
+                "request %s: cannot load tokens [%d, %d) into vLLM's blocks as looked up "
+                "(hit %s); reporting the load as failed", req_id, start, end, lookup.result,
+            )  # fmt: skip
+            lookup.cancel()
+            claims = []
+        else:
+            lookup.keep_used()
+            st.loaded_to = end
+            self.counters.add("lookup_hits")
+            self.counters.add("hit_tokens", end - start)
+        st.held = False
+        described = None
+        if claims and self._events is not None and lookup.used:
+            described = self._described_chunks(st, lookup, start, end)
+        self._pending_hybrid_loads[req_id] = HybridLoadSpec(req_id, start, end, claims, described)
+
+    def _described_chunks(
+        self, st: _RequestState, lookup: HybridLookup, start: int, end: int
+    ) -> list[tuple[int, ChunkBlocks]] | None:
+        """Names of the announced full-attention chunks a hybrid load brings (KV events)."""
+        from .groups import group_hash
+
+        full = self._groups.of_kind("full")
+        if not full:
+            return None
+        cs = self._chunk_size
+        first, last = start // cs, end // cs
+        hashes = self._chunk_hashes(st, last * cs)
+        return [
+            (group_hash(full[0].identity, hashes[c]), self._chunk_blocks(st.request, c))
+            for c in range(first, last)
+        ]
+
     def _chunk_hashes(self, st: _RequestState, num_tokens: int) -> list[int]:
         """Hashes of the chunks of the request's first ``num_tokens`` tokens (cached: a
         request's tokens only grow, and a whole chunk's hash never changes; a trailing partial
@@ -288,16 +434,81 @@ class _SchedulerSide:
 
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> LMPrefetchConnectorMetadata:
-        meta = LMPrefetchConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = LMPrefetchConnectorMetadata(
+            loads=list(self._pending_loads.values()),
+            hybrid_loads=list(self._pending_hybrid_loads.values()),
+        )
         self._pending_loads.clear()
-        if self._do_save:
-            for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
-                st = self._reqs.get(req_id)
-                if st is not None and st.save_ok:
-                    spec = self._plan_save(st, int(n_scheduled))
-                    if spec is not None:
-                        meta.saves.append(spec)
+        self._pending_hybrid_loads.clear()
+        if not self._do_save:
+            return meta
+        if self._groups.hybrid:
+            self._plan_hybrid_saves(scheduler_output, meta)
+            return meta
+        for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is not None and st.save_ok:
+                spec = self._plan_save(st, int(n_scheduled))
+                if spec is not None:
+                    meta.saves.append(spec)
         return meta
+
+    def _plan_hybrid_saves(self, so: Any, meta: LMPrefetchConnectorMetadata) -> None:
+        """Hybrid saves of the step: the prompt chunks the step completes in every attention
+        group, and the Mamba states vLLM hands over (``kv_connector_block_state``)."""
+        block_state = getattr(so, "kv_connector_block_state", None)
+        offers: dict[str, list[tuple[int, int, int]]] = dict(
+            getattr(block_state, "boundary_state_offloads", None) or {}
+        )
+        scheduled: dict[str, int] = {k: int(v) for k, v in so.num_scheduled_tokens.items()}
+        for req_id in [*scheduled, *(r for r in offers if r not in scheduled)]:
+            st = self._reqs.get(req_id)
+            if st is None or not st.save_ok or self._kv_cache_manager is None:
+                continue
+            spec = self._plan_hybrid_save(st, scheduled.get(req_id, 0), offers.get(req_id, ()))
+            if spec is not None:
+                meta.hybrid_saves.append(spec)
+
+    def _plan_hybrid_save(
+        self, st: _RequestState, n_scheduled: int, offers: Any
+    ) -> HybridSaveSpec | None:
+        req = st.request
+        cs = self._chunk_size
+        prompt = int(req.num_prompt_tokens)
+        done = min(int(req.num_computed_tokens) + n_scheduled, prompt)
+        end = max(done // cs * cs, st.saved_tokens)
+        if end <= st.saved_tokens and not offers:
+            return None
+        prompt_chunks = prompt // cs
+        hashes = self._chunk_hashes(st, prompt_chunks * cs)
+        block_ids = self._kv_cache_manager.get_block_ids(req.request_id)
+        items = plan_hybrid_saves(
+            self._groups,
+            cs,
+            hashes,
+            block_ids,
+            st.saved_tokens // cs,
+            end // cs,
+            list(offers),
+            min_state_boundary=st.loaded_to,
+        )
+        st.saved_tokens = end
+        if not items:
+            return None
+        self.counters.add("save_chunks_planned", len(items))
+        blocks = None
+        if self._events is not None:
+            blocks = [self._chunk_blocks(req, it.chunk) if it.announce else None for it in items]
+        return HybridSaveSpec(
+            req.request_id,
+            [it.chunk_hash for it in items],
+            [it.group for it in items],
+            [it.block_ids for it in items],
+            blocks,
+        )
+
+    def _chunk_blocks(self, request: Any, chunk: int) -> ChunkBlocks:
+        return chunk_blocks(request, chunk, self._chunk_size, self._hash_block_size)
 
     def _plan_save(self, st: _RequestState, n_scheduled: int) -> SaveSpec | None:
         """The prompt chunks whose KV this step completes (``request.num_computed_tokens`` is
@@ -340,10 +551,7 @@ class _SchedulerSide:
         off): the workers announce the chunks under them."""
         if self._events is None:
             return None
-        cs, bs = self._chunk_size, self._block_size
-        return [
-            chunk_blocks(request, c, cs, bs) for c in range(first_chunk, first_chunk + n_chunks)
-        ]
+        return [self._chunk_blocks(request, c) for c in range(first_chunk, first_chunk + n_chunks)]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -351,7 +559,11 @@ class _SchedulerSide:
         req_id = request.request_id
         st = self._reqs.pop(req_id, None)
         planned = self._pending_loads.pop(req_id, None)
-        if st is not None and (st.live or st.held):
+        # A planned hybrid load stays planned: vLLM holds the request's blocks until a worker
+        # reports it in finished_recving, which only the load's step does.
+        if st is not None and st.hybrid is not None:
+            st.hybrid.cancel()
+        elif st is not None and (st.live or st.held):
             # A pending lookup, or a prefetch the request will never claim (it never ran:
             # block_ids is empty): release it on every worker now.
             self._client.cancel(req_id)

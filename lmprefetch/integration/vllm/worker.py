@@ -1,18 +1,26 @@
 """The worker side of the connector: one :class:`~lmprefetch.runtime.WorkerRuntime` per rank;
-claims copied into the paged cache before the forward, new chunks saved after it."""
+claims copied into the paged cache before the forward, new chunks saved after it.
+
+A hybrid model's KV cache groups each get their own :class:`PagedKVLayout` (their layers,
+their block size); a hybrid load is all or nothing, and the rank reports the request in
+``finished_recving`` in the step it ran (and in ``failed_recving`` when it failed)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...config import KV_DTYPES, PrefetchConfig
 from .config import _worker_rank, _world_size, endpoint_names, kv_events_wanted
+from .groups import KVGroups, read_groups
 from .layout import PagedKVLayout
 from .metadata import (
+    GroupClaim,
+    HybridLoadSpec,
+    HybridSaveSpec,
     LMPrefetchConnectorMetadata,
     LMPrefetchConnectorStats,
     LMPrefetchKVEvents,
@@ -20,6 +28,9 @@ from .metadata import (
     SaveSpec,
     _Counters,
 )
+
+if TYPE_CHECKING:
+    from ...runtime import WorkerRuntime
 
 log = logging.getLogger("lmprefetch.integration.vllm")
 
@@ -35,27 +46,36 @@ class _WorkerSide:
         kv_cache_config: Any,
         config: PrefetchConfig,
         explicit: frozenset[str],
+        groups: KVGroups | None = None,
     ) -> None:
         ktc = vllm_config.kv_transfer_config
+        if groups is None:
+            groups = read_groups(kv_cache_config, int(vllm_config.cache_config.block_size))
+        self._groups = groups
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._config = config
         self._explicit = explicit
-        self._block_size = int(vllm_config.cache_config.block_size)
+        self._block_size = groups.block_size
         self._world_size = _world_size(vllm_config)
         self._rank = _worker_rank(vllm_config)
         workers, response = endpoint_names(str(ktc.engine_id), self._world_size)
         self._request_endpoint = workers[self._rank]
         self._response_endpoint = response
-        self._runtime: Any = None
+        self._runtime: WorkerRuntime | None = None
         self._layout: PagedKVLayout | None = None
+        #: Hybrid models: one layout per KV cache group (by vLLM's group id).
+        self._group_layouts: dict[int, PagedKVLayout] = {}
         self._load_errors: set[int] = set()
+        #: Hybrid loads run this step (reported as finished_recving), and those that failed.
+        self._recved: set[str] = set()
+        self._recv_failed: set[str] = set()
         self._staging: torch.Tensor | None = None
         self._kv_events = kv_events_wanted(vllm_config, config)
         self.counters = _Counters()
 
     @property
-    def runtime(self) -> Any:
+    def runtime(self) -> WorkerRuntime | None:
         """The rank's :class:`~lmprefetch.runtime.WorkerRuntime` (after ``register_kv_caches``)."""
         return self._runtime
 
@@ -63,13 +83,34 @@ class _WorkerSide:
     def layout(self) -> PagedKVLayout | None:
         return self._layout
 
+    @property
+    def group_layouts(self) -> dict[int, PagedKVLayout]:
+        """Hybrid models: each KV cache group's layout, by vLLM's group id."""
+        return self._group_layouts
+
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from ...runtime import WorkerRuntime
 
         if self._runtime is not None:
             raise RuntimeError("register_kv_caches: called twice")
-        layout = PagedKVLayout(kv_caches, int(self._kv_cache_config.num_blocks), self._block_size)
-        config = self._finalize_config(layout)
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        if self._groups.hybrid:
+            layouts = {}
+            for group in self._groups.groups:
+                missing = [n for n in group.layer_names if n not in kv_caches]
+                if missing:
+                    raise ValueError(
+                        f"register_kv_caches: no KV cache tensor for layers {missing} of KV "
+                        f"cache group {group.index}"
+                    )
+                tensors = {n: kv_caches[n] for n in group.layer_names}
+                layouts[group.index] = PagedKVLayout(tensors, num_blocks, group.block_size)
+            self._group_layouts = layouts
+            layout = next(iter(layouts.values()))
+            config = self._finalize_hybrid_config(layouts)
+        else:
+            layout = PagedKVLayout(kv_caches, num_blocks, self._block_size)
+            config = self._finalize_config(layout)
         self._layout = layout
         self._config = config
         self._runtime = WorkerRuntime.start(
@@ -82,23 +123,44 @@ class _WorkerSide:
             kv_events="described" if self._kv_events else "off",
         )
         log.info(
-            "lmprefetch worker rank %d/%d: %d layers, %d-byte chunk payloads, endpoint %s",
-            self._rank, self._world_size, len(layout.layers),
+            "lmprefetch worker rank %d/%d: %d layers, %d-byte chunk payloads, endpoint %s%s",
+            self._rank, self._world_size,
+            sum(len(x.layers) for x in self._group_layouts.values()) or len(layout.layers),
             config.chunk_bytes, self._request_endpoint,
+            f", KV cache groups: {self._groups.describe()}" if self._groups.hybrid else "",
         )  # fmt: skip
 
-    def _finalize_config(self, layout: PagedKVLayout) -> PrefetchConfig:
+    def _finalize_hybrid_config(self, layouts: Mapping[int, PagedKVLayout]) -> PrefetchConfig:
+        """:meth:`_finalize_config` for a hybrid model: a key's payload is one group's chunk
+        (or one Mamba state), so ``chunk_bytes`` is the largest of them, and ``kv_dtype`` (a
+        name in the keys) is the attention groups' dtype."""
+        cs = self._config.chunk_size
+        sizes = {
+            g.index: layouts[g.index].payload_bytes(1 if g.kind == "mamba" else cs // g.block_size)
+            for g in self._groups.groups
+        }
+        attention = [layouts[g.index] for g in self._groups.groups if g.kind != "mamba"]
+        dtype_layout = attention[0] if attention else next(iter(layouts.values()))
+        largest = max(sizes.values())
+        return self._finalize_config(
+            dtype_layout, largest, f"{cs} tokens of the largest KV cache group"
+        )
+
+    def _finalize_config(
+        self, layout: PagedKVLayout, payload: int | None = None, what: str | None = None
+    ) -> PrefetchConfig:
         """Fill in the fields derived from vLLM that the user left unset."""
         config, explicit = self._config, self._explicit
         changes: dict[str, Any] = {}
-        payload = layout.payload_bytes(config.chunk_size // self._block_size)
+        if payload is None:
+            payload = layout.payload_bytes(config.chunk_size // self._block_size)
+            what = f"{config.chunk_size} tokens x {len(layout.layers)} layers"
         if "chunk_bytes" not in explicit:
             changes["chunk_bytes"] = payload
         elif config.chunk_bytes < payload:
             raise ValueError(
                 f"chunk_bytes: {config.chunk_bytes} is smaller than one chunk's KV on this "
-                f"rank ({payload} bytes: {config.chunk_size} tokens x {len(layout.layers)} "
-                "layers); raise it or leave it unset to derive it"
+                f"rank ({payload} bytes: {what}); raise it or leave it unset to derive it"
             )
         if "model_name" not in explicit:
             model = str(getattr(self._vllm_config.model_config, "model", "") or "model")
@@ -134,6 +196,70 @@ class _WorkerSide:
     def start_load_kv(self, meta: LMPrefetchConnectorMetadata) -> None:
         for spec in meta.loads:
             self._load(spec)
+        for hybrid in meta.hybrid_loads:
+            self._load_hybrid(hybrid)
+
+    def _load_hybrid(self, spec: HybridLoadSpec) -> None:
+        """Load a hybrid request: every planned key, or none counts (all or nothing); the
+        request is reported finished either way, and failed when anything was missing."""
+        runtime = self._runtime
+        ok = bool(spec.claims) and runtime is not None and bool(self._group_layouts)
+        if ok and runtime is not None:
+            if spec.described and self._kv_events:
+                try:
+                    runtime.describe_chunks(
+                        [h for h, _ in spec.described], [b for _, b in spec.described]
+                    )
+                except RuntimeError as exc:
+                    log.warning("request %s: naming chunks for KV events failed: %s",
+                                spec.req_id, exc)  # fmt: skip
+            for claim in spec.claims:
+                # Every claim is taken (and its buffers released) even after a failure.
+                try:
+                    ok = self._claim_group_keys(spec.req_id, claim, runtime) and ok
+                except (ValueError, RuntimeError) as exc:
+                    log.warning("request %s: loading prefetched KV failed: %s", spec.req_id, exc)
+                    ok = False
+        self._recved.add(spec.req_id)
+        if not ok:
+            self._recv_failed.add(spec.req_id)
+            self.counters.add("load_failures")
+            log.info(
+                "request %s: loading tokens [%d, %d) failed; vLLM recomputes them "
+                '(kv_load_failure_policy "recompute") or fails the request',
+                spec.req_id, spec.start_token, spec.end_token,
+            )  # fmt: skip
+
+    def _claim_group_keys(self, req_id: str, claim: GroupClaim, runtime: WorkerRuntime) -> bool:
+        """Claim one lookup's keys and copy their rows in; ``False`` if any key is missing."""
+        layouts = self._group_layouts
+        with runtime.claim(claim.lookup_id) as items:
+            try:
+                if len(items) < len(claim.keys):
+                    log.info("request %s: lookup %s yielded %d of %d keys", req_id,
+                             claim.lookup_id, len(items), len(claim.keys))  # fmt: skip
+                    return False
+                for (key, buf), want in zip(items, claim.keys):
+                    if key.chunk_hash != want.chunk_hash:
+                        log.warning("request %s: claimed key of lookup %s has another hash",
+                                    req_id, claim.lookup_id)  # fmt: skip
+                        return False
+                    if not want.rows:
+                        continue
+                    layout = layouts[want.group]
+                    layout.inject_rows([buf.view()], want.rows, want.block_ids)
+                    self.counters.add("loaded_chunks")
+                    self.counters.add("loaded_bytes", layout.payload_bytes(len(want.rows)))
+                return True
+            finally:
+                for layout in layouts.values():
+                    layout.synchronize()
+
+    def take_finished_recving(self) -> tuple[set[str], set[str]]:
+        """Hybrid loads run since the last call, and those of them that failed."""
+        done, failed = self._recved, self._recv_failed
+        self._recved, self._recv_failed = set(), set()
+        return done, failed
 
     def _load(self, spec: LoadSpec) -> None:
         bs = self._block_size
@@ -163,7 +289,12 @@ class _WorkerSide:
             )  # fmt: skip
 
     def _claim_and_copy(
-        self, spec: LoadSpec, runtime: Any, layout: PagedKVLayout, start_block: int, end_block: int
+        self,
+        spec: LoadSpec,
+        runtime: WorkerRuntime,
+        layout: PagedKVLayout,
+        start_block: int,
+        end_block: int,
     ) -> int:
         """Claim the prefetch and copy it in; returns the block index loaded up to."""
         bpc = self._config.chunk_size // self._block_size
@@ -204,6 +335,66 @@ class _WorkerSide:
     def wait_for_save(self, meta: LMPrefetchConnectorMetadata) -> None:
         for spec in meta.saves:
             self._save(spec)
+        for hybrid in meta.hybrid_saves:
+            self._save_hybrid(hybrid)
+
+    def _save_hybrid(self, spec: HybridSaveSpec) -> None:
+        """Store a hybrid request's keys, each one group's rows (see :class:`HybridSaveSpec`),
+        a batch at a time through the staging tensor."""
+        runtime, layouts = self._runtime, self._group_layouts
+        if runtime is None or not layouts or not spec.chunk_hashes:
+            return
+        staging = self._staging_for(next(iter(layouts.values())))
+        n = len(spec.chunk_hashes)
+        for first in range(0, n, _SAVE_BATCH_CHUNKS):
+            last = min(first + _SAVE_BATCH_CHUNKS, n)
+            try:
+                payloads = []
+                offset = 0
+                for i in range(first, last):
+                    layout = layouts[spec.groups[i]]
+                    [part] = layout.extract([spec.block_ids[i]], out=staging[offset:])
+                    payloads.append(part)
+                    offset += int(part.numel())
+                stored = self._store_described(runtime, spec, first, last, payloads)
+            except (ValueError, RuntimeError, KeyError) as exc:
+                self.counters.add("save_errors")
+                log.warning("request %s: storing KV keys failed: %s", spec.req_id, exc)
+                return
+            self.counters.add("saved_chunks", stored)
+            self.counters.add("saved_bytes", sum(int(p.numel()) for p in payloads[:stored]))
+            if stored < last - first:  # the CPU tier is full (everything pinned): stop here
+                return
+
+    def _store_described(
+        self,
+        runtime: WorkerRuntime,
+        spec: HybridSaveSpec,
+        first: int,
+        last: int,
+        payloads: list[torch.Tensor],
+    ) -> int:
+        """Store keys ``[first, last)`` of ``spec``: the ones KV events announce with their
+        names, the others (other groups, Mamba states) unnamed, so never announced."""
+        blocks = spec.blocks if self._kv_events else None
+        if blocks is None:
+            return runtime.store_hashes(
+                spec.chunk_hashes[first:last], [p.numpy() for p in payloads]
+            )
+        stored = 0
+        named = [i for i in range(first, last) if blocks[i] is not None]
+        unnamed = [i for i in range(first, last) if blocks[i] is None]
+        for indices, names in ((named, True), (unnamed, False)):
+            if not indices:
+                continue
+            hashes = [spec.chunk_hashes[i] for i in indices]
+            parts = [payloads[i - first].numpy() for i in indices]
+            described = [blocks[i] for i in indices] if names else None
+            got = runtime.store_hashes(hashes, parts, blocks=described)  # type: ignore[arg-type]
+            stored += got
+            if got < len(indices):
+                break
+        return stored
 
     def _save(self, spec: SaveSpec) -> None:
         runtime, layout = self._runtime, self._layout
@@ -236,9 +427,12 @@ class _WorkerSide:
 
     def _staging_for(self, layout: PagedKVLayout) -> torch.Tensor:
         if self._staging is None:
-            size = _SAVE_BATCH_CHUNKS * layout.payload_bytes(
-                self._config.chunk_size // self._block_size
-            )
+            if self._group_layouts:
+                size = _SAVE_BATCH_CHUNKS * self._config.chunk_bytes  # the largest key
+            else:
+                size = _SAVE_BATCH_CHUNKS * layout.payload_bytes(
+                    self._config.chunk_size // self._block_size
+                )
             pin = layout.device.type == "cuda"
             self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         return self._staging
