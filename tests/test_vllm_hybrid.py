@@ -537,7 +537,7 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     n_full_sw = sum(1 for g in groups.groups if g.kind != "mamba")
     n_mamba = sum(1 for g in groups.groups if g.kind == "mamba")
     # Every attention group's 3 chunks, and the Mamba states vLLM handed over at 96.
-    assert stats["chunks_stored"] == 3 * n_full_sw + n_mamba
+    assert stats["store"]["chunks_stored"] == 3 * n_full_sw + n_mamba
     h.wipe()
 
     req = h.add("second", prompt)
@@ -564,7 +564,7 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     assert h.stats.data["lookup_hits"] == 1
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
-    assert stats["lookups_claimed"] == len(load.claims)
+    assert stats["lookups"]["claimed"] == len(load.claims)
 
 
 def test_a_restore_into_the_wrong_place_is_caught(make_harness: Any) -> None:
@@ -663,7 +663,8 @@ def test_chunked_prefill_saves_a_state_at_every_step_boundary(make_harness: Any)
     prompt = tokens_of(19, 200)
     h.serve("first", prompt)
     stats = h.wait_worker_quiet()
-    assert stats["chunks_stored"] == 6 + 3  # 6 full-attention chunks, states at 2, 4 and 6
+    # 6 full-attention chunks, states at 2, 4 and 6
+    assert stats["store"]["chunks_stored"] == 6 + 3
     h.wipe()
     other = [*prompt[:130], *tokens_of(20, 70)]
     assert h.serve("other", other) == 128
@@ -767,7 +768,7 @@ def test_abort_releases_every_lookup_of_the_request(make_harness: Any) -> None:
     assert h.runtime.stats()["held_lookups"] >= 2  # full, window and state lookups hold keys
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     stats = h.wait_worker_quiet()
-    assert stats["lookups_claimed"] == 0
+    assert stats["lookups"]["claimed"] == 0
     assert_worker_idle(stats)
     # Aborted while its lookups are pending: they are cancelled too.
     h.add("c", prompt)
@@ -1044,7 +1045,7 @@ def test_a_hybrid_answer_too_old_to_trust_is_looked_up_again(
     assert {c.lookup_id for c in load.claims} <= {n.lookup_id for n in new}
     h.run_until_finished("c")
     stats = h.wait_worker_quiet()
-    assert stats["lookups_cancelled"] >= 2  # the old prefix and window lookups
+    assert stats["lookups"]["cancelled"] >= 2  # the old prefix and window lookups
     assert_worker_idle(stats)
 
 
