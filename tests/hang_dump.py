@@ -25,7 +25,7 @@ import sys
 import pytest
 
 #: Tests with any of these markers get ``hang_dump_timeout_long``.
-LONG_MARKERS = ("vllm", "lmcache", "slow")
+LONG_MARKERS = ("vllm", "hybrid", "lmcache", "slow")
 _STDERR_FD = pytest.StashKey[int]()
 
 
