@@ -347,6 +347,8 @@ async def test_the_engine_puts_the_tier_after_disk_and_shares_it(
     engine B (empty CPU tier, its own disk) loads from Mooncake."""
     pool = FakePool()
     monkeypatch.setattr(mooncake_module, "_default_store_factory", pool.factory())
+    # The fake pool stands in for Mooncake's client: this runs where the extra is not installed.
+    monkeypatch.setattr(mooncake_module, "check_installed", lambda: None)
     config = PrefetchConfig(
         chunk_size=4, chunk_bytes=64, cpu_bytes=64 * 32, arena_prefault_bytes=0,
         mooncake_master="127.0.0.1:50051", mooncake_segment_bytes=0,

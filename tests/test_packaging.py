@@ -36,6 +36,30 @@ def _constraints() -> dict[str, str]:
     return out
 
 
+def test_the_installed_anyio_supports_the_installed_trio() -> None:
+    """The runtime's blocking portal runs on anyio's Trio backend, and each anyio release states
+    the trio it needs in its ``trio`` extra (anyio 4.11+ calls ``CancelScope.cancel(reason)``,
+    which trio 0.27 lacks).  lmprefetch depends on ``anyio[trio]`` so that pip resolves the two
+    together; an anyio installed beside an older trio breaks every start-up error path."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    assert any(_name(r) == "anyio" and "[trio]" in r for r in PYPROJECT["project"]["dependencies"])
+    needs = [
+        Requirement(r)
+        for r in requires("anyio") or []
+        if _name(r) == "trio" and Requirement(r).marker is not None
+        and Requirement(r).marker.evaluate({"extra": "trio"})
+    ]
+    assert needs, "anyio names no trio in its trio extra"
+    trio_version = version("trio")
+    for requirement in needs:
+        assert requirement.specifier.contains(trio_version, prereleases=True), (
+            f"anyio {version('anyio')} needs {requirement}, trio {trio_version} is installed"
+        )
+
+
 def test_no_extra_pins_an_exact_version() -> None:
     """An exact pin in an extra would replace what a user has installed (their vLLM, their
     CUDA torch); exact versions belong in constraints.txt."""
