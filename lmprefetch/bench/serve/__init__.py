@@ -39,13 +39,14 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .options import SCENARIO_NAMES, ServeBenchOptions
+from .options import LINK_SCENARIOS, SCENARIO_NAMES, ServeBenchOptions
 
 __all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
 
@@ -104,6 +105,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-pool-tokens", type=int, help=f"vLLM's KV pool in tokens (default {d.kv_pool_tokens})"
     )
     p.add_argument("--probes", type=int, help=f"same-prompt probes (default {d.probes})")
+    p.add_argument(
+        "--slow-link-rate",
+        type=float,
+        metavar="MB/S",
+        help=f"the slow_remote scenarios' link rate, each way "
+        f"(default {d.slow_link_rate / 1e6:g} MB/s)",
+    )
+    p.add_argument(
+        "--slow-link-delay-ms",
+        type=float,
+        metavar="MS",
+        help=f"the slow_remote scenarios' one-way delay (default {d.slow_link_delay_s * 1e3:g})",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -121,6 +135,10 @@ def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
     for name in ("rounds", "kv_pool_tokens", "probes"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
+    if args.slow_link_rate is not None:
+        changes["slow_link_rate"] = args.slow_link_rate * 1e6
+    if args.slow_link_delay_ms is not None:
+        changes["slow_link_delay_s"] = args.slow_link_delay_ms / 1e3
     long_doc, chat = opts.long_doc, opts.chat
     if args.docs is not None:
         long_doc = replace(long_doc, docs=args.docs)
@@ -143,6 +161,8 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"lmprefetch bench-serve: {problem}", file=sys.stderr)
         return 2
+    if _needs_private_netns(opts):
+        _enter_private_netns()  # returns only where it cannot (the scenarios then say why)
     # Only now: these need the vllm extra (httpx among it), which preflight checked.
     import trio
 
@@ -158,6 +178,38 @@ def main(args: argparse.Namespace) -> int:
         plot(summary, args.plot)
         print(f"figure written to {args.plot}")
     return exit_status(summary)
+
+
+_NETNS_ENV = "LMPREFETCH_BENCH_SERVE_NETNS"
+
+
+def _needs_private_netns(opts: ServeBenchOptions) -> bool:
+    """A slow link scenario shapes loopback traffic with ``tc``: in a network namespace of
+    the benchmark's own, never the machine's."""
+    from ..netns import loopback_only
+
+    slow = [n for (link, _), n in LINK_SCENARIOS.items() if link == "slow"]
+    return any(n in opts.scenarios for n in slow) and not loopback_only()
+
+
+def _enter_private_netns() -> None:
+    """Run this command again, whole, in a private network namespace (loopback only: every
+    server, Redis and the link live in it and vanish with it).  Returns where it cannot."""
+    from ..netns import unshare_argv
+
+    if os.environ.get(_NETNS_ENV):  # already tried: unshare ran, but no private namespace
+        return
+    argv = unshare_argv([sys.executable, "-m", "lmprefetch", *sys.argv[1:]])
+    if argv is None:
+        return
+    # Whether unshare may make the namespace here (not every user may): try it first.
+    unshare = argv[: argv.index("--")]
+    if subprocess.run([*unshare, "--", "true"], capture_output=True, check=False).returncode:
+        return
+    print("lmprefetch bench-serve: running in a private network namespace (slow link "
+          "scenarios)", file=sys.stderr, flush=True)  # fmt: skip
+    os.environ[_NETNS_ENV] = "1"
+    os.execv(argv[0], argv)
 
 
 def _finite(value: Any) -> Any:

@@ -129,29 +129,21 @@ class Shaper:
         self._run(["qdisc", "del", "dev", self.dev, "root"])
         return True, ""
 
-    def install(self, port: int, spec: LinkSpec) -> tuple[str, str]:
-        """Shape ``port``'s traffic; returns the mechanism (``"netem"``: delay and rate in
-        the kernel; ``"htb+proxy"``: the rate only, the caller adds the delay with a
-        :class:`DelayProxy`) and why ``netem`` was not used (empty with ``netem``).
+    def install(self, port: int, spec: LinkSpec, *, netem: bool) -> None:
+        """Shape ``port``'s traffic: the rate, and with ``netem`` the delay too (without it,
+        the caller adds the delay with a :class:`DelayProxy` listening on ``port``).
 
         Raises:
-            OSError: ``tc`` cannot shape at all here (no ``htb``, not allowed: run in a
-                private network namespace); nothing is left installed.
+            OSError: ``tc`` cannot shape here (no ``htb``, not allowed: run in a private
+                network namespace); nothing is left installed.
         """
         self.remove()
-        netem, why = self.netem_available()
         for cmd in tc_commands(port, spec, netem=netem, dev=self.dev):
             done = self._run(cmd)
             if done.returncode != 0:
                 self.remove()
                 raise OSError(f"tc {' '.join(cmd)}: {done.stderr or done.returncode}")
             self.installed = True
-        return ("netem" if netem else "htb+proxy"), why
-
-    def counters(self) -> str:
-        """``tc -s class show`` for the report (bytes and packets per class)."""
-        done = self._run(["-s", "class", "show", "dev", self.dev])
-        return done.stderr if done.returncode else ""
 
     def remove(self) -> None:
         """Remove the root qdisc (and so everything under it); idempotent."""

@@ -11,7 +11,7 @@ from typing import Any
 from .model import BENCH_LLAMA, kv_bytes_per_token
 from .workloads import ChatSpec, LongDocSpec
 
-__all__ = ["SCENARIOS", "SCENARIO_NAMES", "Scenario", "ServeBenchOptions"]
+__all__ = ["LINK_SCENARIOS", "SCENARIOS", "SCENARIO_NAMES", "Scenario", "ServeBenchOptions"]
 
 GiB = 1 << 30
 
@@ -37,6 +37,13 @@ class Scenario:
             layer a sliding window (:func:`.hybrid_models.sliding_window_variant`), which
             vLLM's hybrid KV cache manager splits into two KV cache groups; ``None``: the
             benchmark's Llama.
+        link: ``"slow"`` or ``"fast"``: the Redis link scenarios.  A first server computes
+            every document and so fills Redis; a second one, started once Redis holds every
+            chunk (its CPU tier empty, no disk, too small to keep a document until it comes
+            back), is measured, reading Redis through a throttled link (``"slow"``,
+            :mod:`.link`) or straight (``"fast"``): its only hit tier is Redis.
+        load_policy: lmprefetch's ``load_policy`` on the measured server of a link
+            scenario (``"always"``, ``"never"``: recompute, ``"cost"``).
     """
 
     name: str
@@ -48,6 +55,38 @@ class Scenario:
     restart_between_rounds: bool = False
     probe: str | None = None
     model: str | None = None
+    link: str | None = None
+    load_policy: str | None = None
+
+
+#: The link scenarios' names: (link, load policy) → name.
+LINK_SCENARIOS = {
+    (link, policy): f"{link}_remote_{word}"
+    for link in ("slow", "fast")
+    for policy, word in (("always", "always"), ("never", "recompute"), ("cost", "cost"))
+}
+_LINK_TITLES = {
+    "always": "loads every hit",
+    "never": "load_policy never: recomputes",
+    "cost": "load_policy cost",
+}
+
+
+def _link_scenarios() -> tuple[Scenario, ...]:
+    out = []
+    for (link, policy), name in LINK_SCENARIOS.items():
+        how = "a throttled link" if link == "slow" else "an unthrottled link"
+        out.append(
+            Scenario(
+                name,
+                f"lmprefetch whose only hit tier is Redis behind {how}; {_LINK_TITLES[policy]}",
+                connector="lmprefetch",
+                tier="redis",
+                link=link,
+                load_policy=policy,
+            )
+        )
+    return tuple(out)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -91,6 +130,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         probe="cpu",
         model="sliding-window",
     ),
+    *_link_scenarios(),
     Scenario("lmcache", "prefix caching + LMCache 0.5.6 LMCacheConnectorV1", connector="lmcache"),
     Scenario(
         "lmcache_mp",
@@ -134,6 +174,10 @@ class ServeBenchOptions:
     request_timeout_s: float = 600.0
     progress: bool = True
     quick: bool = False
+    #: The slow link of the ``slow_remote_*`` scenarios: bytes per second each way, and the
+    #: one-way delay (see docs/benchmarks.md for why these).
+    slow_link_rate: float = 10e6
+    slow_link_delay_s: float = 0.02
 
     @classmethod
     def full(cls, **changes: Any) -> ServeBenchOptions:
@@ -189,6 +233,10 @@ class ServeBenchOptions:
             for f in dataclasses.fields(spec):
                 if getattr(spec, f.name) < 1:
                     raise ValueError(f"{f.name}: must be at least 1, got {getattr(spec, f.name)}")
+        for name in ("slow_link_rate", "slow_link_delay_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name}: must be a positive number, got {value}")
         unknown = [s for s in self.scenarios if s not in SCENARIO_NAMES]
         if unknown:
             raise ValueError(
@@ -227,6 +275,10 @@ class ServeBenchOptions:
             "lmprefetch_cpu_bytes": self.cpu_bytes,
             "model": dict(self.model),
             "seed": self.seed,
+            "slow_link": {
+                "rate_bytes_per_s": self.slow_link_rate,
+                "delay_ms": self.slow_link_delay_s * 1e3,
+            },
         }
 
     @property

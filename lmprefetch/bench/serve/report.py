@@ -37,7 +37,27 @@ GOALS = (
     ("long_doc_p50_vs_apc", "long-document QA TTFT p50, lmprefetch_cpu / apc", 0.1),
     ("cpu_hit_vs_apc_hit", "CPU-tier hit TTFT / vLLM prefix-cache hit TTFT, same prompt", 1.5),
     ("disk_hit_vs_apc_hit", "disk hit after restart TTFT / vLLM prefix-cache hit TTFT", 3.0),
+    (
+        "slow_remote_cost_vs_best",
+        "slow link: long-document QA TTFT p50, slow_remote_cost / the better of "
+        "slow_remote_always and slow_remote_recompute",
+        1.1,
+    ),
+    (
+        "fast_remote_cost_vs_always",
+        "unthrottled link: long-document QA TTFT p50, fast_remote_cost / fast_remote_always",
+        1.1,
+    ),
 )
+
+#: The link goals' peers: the scenarios whose p50 (the best of them) is the goal's divisor.
+LINK_PEERS = {
+    "slow_remote_cost_vs_best": (
+        "slow_remote_cost",
+        ("slow_remote_always", "slow_remote_recompute"),
+    ),
+    "fast_remote_cost_vs_always": ("fast_remote_cost", ("fast_remote_always",)),
+}
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -116,6 +136,24 @@ def _probe(probe: ProbeResult, full_hit_tokens: int) -> dict[str, Any]:
     }
 
 
+def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict[str, Any]:
+    """A link scenario's own figures: the link, the policy, and where its hits came from:
+    the bytes Redis sent over the measured rounds beside the bytes of the tokens vLLM counted
+    as loaded by the connector (``external_kv_transfer``); about 1 when every hit is Redis's
+    (its replies carry a few framing bytes more)."""
+    external = entry["metrics"].get("external_kv_transfer", 0)
+    hit_bytes = external * kv_per_token
+    return {
+        "link": raw["link"],
+        "load_policy": raw["load_policy"],
+        "load_policy_set": raw["load_policy_set"],
+        "lmprefetch_cpu_bytes": raw["lmprefetch_cpu_bytes"],
+        "redis_sent_bytes": raw["redis_sent_bytes"],
+        "external_hit_bytes": hit_bytes,
+        "redis_sent_vs_hit_bytes": _ratio(float(raw["redis_sent_bytes"]), float(hit_bytes)),
+    }
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The JSON document (see the module docstring) from :func:`run_bench_serve`'s result."""
     settings = result["settings"]
@@ -126,7 +164,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             scenarios[name] = dict(raw)
             continue
         entry = _workload(raw["long_doc_qa"])
-        entry["chat"] = _workload(raw["chat"])
+        if raw.get("chat") is not None:  # (the link scenarios run long-document QA only)
+            entry["chat"] = _workload(raw["chat"])
         entry["startup_s"] = [round(s, 1) for s in raw["startup_s"]]
         if "versions" in raw:
             entry["versions"] = raw["versions"]
@@ -134,6 +173,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             entry["model"] = raw["model"]
         if "probe" in raw:
             entry["probe"] = _probe(raw["probe"], full_hit)
+        if "link" in raw:
+            entry.update(_link(raw, entry, kv_bytes_per_token(settings["model"])))
         scenarios[name] = entry
     for workload in ("long_doc_qa", "chat"):
         base = {
@@ -163,6 +204,11 @@ def _pick(entry: dict[str, Any] | None, workload: str) -> dict[str, Any]:
     return figures
 
 
+def _p50(scenarios: dict[str, Any], name: str) -> float:
+    value: float = _pick(scenarios.get(name), "long_doc_qa").get("ttft_p50_ms", math.nan)
+    return value
+
+
 def _goals(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
     def probe_ratio(name: str) -> float:
         probe = (scenarios.get(name) or {}).get("probe")
@@ -176,11 +222,21 @@ def _goals(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
         "cpu_hit_vs_apc_hit": probe_ratio("lmprefetch_cpu"),
         "disk_hit_vs_apc_hit": probe_ratio("lmprefetch_disk_restart"),
     }
+    peers: dict[str, dict[str, float]] = {}
+    for key, (subject, others) in LINK_PEERS.items():
+        # The peers: in this run, the same documents and link, loading always or never.
+        peers[key] = {name: _p50(scenarios, name) for name in (subject, *others)}
+        measured = [peers[key][n] for n in others if not math.isnan(peers[key][n])]
+        best = min(measured) if len(measured) == len(others) else math.nan
+        figures[key] = _ratio(peers[key][subject], best)
     out = []
     for key, text, limit in GOALS:
         figure = figures[key]
         met = None if math.isnan(figure) else figure <= limit
-        out.append({"key": key, "goal": text, "figure": figure, "limit": limit, "met": met})
+        goal = {"key": key, "goal": text, "figure": figure, "limit": limit, "met": met}
+        if key in peers:
+            goal["p50_ms"] = peers[key]
+        out.append(goal)
     return out
 
 
@@ -222,6 +278,8 @@ def _workload_table(summary: dict[str, Any], workload: str) -> list[str]:
             lines.append(f"  {sc.name:<25}{word}: see below")
             continue
         f = _pick(entry, workload)
+        if not f:  # (a link scenario has no chat)
+            continue
         lines.append(
             f"  {sc.name:<25}{_ms(f['ttft_p50_ms']):>10}{_ms(f['ttft_p90_ms']):>10}"
             f"{_ms(f['ttft_p99_ms']):>10}{_num(f['req_per_s']):>8}"
@@ -297,10 +355,35 @@ def format_report(summary: dict[str, Any]) -> str:
                 f"{_ms(apc['queue_ms']) + ' + ' + _ms(apc['prefill_ms']):<25}"
                 f"min {served} of {p['full_hit_tokens']}"
             )
+    links = [(n, e) for n, e in summary["scenarios"].items() if e.get("link")]
+    if links:
+        link = s.get("slow_link", {})
+        lines += [
+            "",
+            "Redis link scenarios (long-document QA only): one server fills Redis, a second "
+            "one, with a CPU tier too small to keep a document, is measured; slow link "
+            f"{link.get('rate_bytes_per_s', math.nan) / 1e6:g} MB/s each way + "
+            f"{link.get('delay_ms', math.nan):g} ms one way.",
+            "Redis sent / hit bytes: what Redis sent over the measured rounds / the KV bytes of "
+            "the tokens vLLM counted as loaded by the connector (about 1: every hit from Redis).",
+            f"  {'scenario':<25}{'policy':>8}{'TTFT p50':>10}{'hit tokens':>12}"
+            f"{'Redis sent':>12}{'/ hit bytes':>13}  link",
+        ]
+        for name, e in links:
+            lines.append(
+                f"  {name:<25}{e['load_policy']:>8}{_ms(e['ttft_p50_ms']):>10}"
+                f"{e['metrics'].get('external_kv_transfer', 0):>12,}"
+                f"{e['redis_sent_bytes'] / (1 << 20):>8,.1f} MiB"
+                f"{_x(e['redis_sent_vs_hit_bytes']):>13}  {e['link']['mechanism']}"
+            )
     lines += ["", "Goals (benchmark figures, not tests):"]
     for g in summary["goals"]:
         mark = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
         lines.append(f"  {g['goal']}: {_num(g['figure'])} (goal <= {g['limit']:g}) [{mark}]")
+        if "p50_ms" in g and g["met"] is not None:
+            lines.append(
+                "    p50 in this run: " + ", ".join(f"{n} {_ms(v)}" for n, v in g["p50_ms"].items())
+            )
     errors = [(n, e) for n, e in summary["scenarios"].items() if "error" in e]
     if errors:
         lines += ["", "Scenarios that did not run:"]
