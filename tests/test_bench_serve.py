@@ -302,6 +302,12 @@ def test_scenario_names_are_the_issues() -> None:
         "lmprefetch_hybrid",
         "lmcache",
         "lmcache_mp",
+        "slow_remote_always",
+        "slow_remote_recompute",
+        "slow_remote_cost",
+        "fast_remote_always",
+        "fast_remote_recompute",
+        "fast_remote_cost",
     )
 
 

@@ -46,7 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .options import LINK_SCENARIOS, SCENARIO_NAMES, ServeBenchOptions
+from .options import DEFAULT_SCENARIOS, LINK_SCENARIOS, SCENARIO_NAMES, ServeBenchOptions
 
 __all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
 
@@ -82,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and speed-ups to FILE")
     p.add_argument(
         "--scenarios",
-        default=",".join(SCENARIO_NAMES),
-        help=f"comma-separated subset of: {', '.join(SCENARIO_NAMES)}",
+        default=",".join(DEFAULT_SCENARIOS),
+        help=f"comma-separated subset of: {', '.join(SCENARIO_NAMES)} (default: all but the "
+        "Redis link scenarios *_remote_*)",
     )
     p.add_argument(
         "--lmcache-python",

@@ -1,0 +1,362 @@
+"""bench-serve's Redis link scenarios without vLLM: the slow link (``tc`` commands, the
+``netem`` detection and its fallback, the delay proxy, the rate on a real ``lo`` in a private
+network namespace), the scenarios' selection and their figures and goals in the JSON.
+
+The scenarios end to end (real vLLM servers) run in ``tests/test_vllm_serve.py``, marked
+``slow_link`` (``nox -s slow_link``, not ``ci``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmprefetch import cli
+from lmprefetch.bench.serve import _needs_private_netns, add_arguments, options_from_args
+from lmprefetch.bench.serve.link import (
+    PROXY_READY,
+    LinkSpec,
+    Shaper,
+    Sink,
+    TcResult,
+    measure_transfer,
+    tc_commands,
+)
+from lmprefetch.bench.serve.options import (
+    DEFAULT_SCENARIOS,
+    LINK_SCENARIOS,
+    SCENARIO_NAMES,
+    SCENARIOS,
+    ServeBenchOptions,
+)
+from lmprefetch.bench.serve.procs import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK_NAMES = [
+    "slow_remote_always",
+    "slow_remote_recompute",
+    "slow_remote_cost",
+    "fast_remote_always",
+    "fast_remote_recompute",
+    "fast_remote_cost",
+]
+
+
+# -- tc commands and the netem detection -------------------------------------------------------
+class FakeTc:
+    """Records ``tc`` commands; fails those that name a qdisc kind in ``unknown`` as a kernel
+    without it does, and any whose words include ``fail_on``."""
+
+    def __init__(self, unknown: Sequence[str] = (), fail_on: str | None = None) -> None:
+        self.unknown = set(unknown)
+        self.fail_on = fail_on
+        self.calls: list[list[str]] = []
+
+    def __call__(self, args: Sequence[str]) -> TcResult:
+        self.calls.append(list(args))
+        if args[:1] == ["qdisc"] and args[1] == "add" and self.unknown & set(args):
+            return TcResult(2, "Error: Specified qdisc kind is unknown.")
+        if self.fail_on is not None and self.fail_on in args:
+            return TcResult(2, "RTNETLINK answers: Operation not permitted")
+        return TcResult(0, "")
+
+
+def test_tc_commands_classify_both_directions_of_the_port_and_nothing_else() -> None:
+    spec = LinkSpec(rate_bytes_per_s=10e6, delay_s=0.025)
+    for netem in (False, True):
+        cmds = [" ".join(c) for c in tc_commands(6380, spec, netem=netem)]
+        assert cmds[0] == "qdisc add dev lo root handle 1: htb"  # no default class: others pass
+        filters = [c for c in cmds if c.startswith("filter")]
+        assert len(filters) == 2
+        assert any("match ip dport 6380 0xffff flowid 1:10" in f for f in filters)
+        assert any("match ip sport 6380 0xffff flowid 1:20" in f for f in filters)
+        classes = [c for c in cmds if c.startswith("class")]
+        assert all("rate 80000000bit ceil 80000000bit" in c for c in classes) and len(classes) == 2
+        leaves = [c for c in cmds if "netem" in c]
+        if netem:
+            assert len(leaves) == 2 and all("delay 25ms rate 80000000bit" in c for c in leaves)
+        else:
+            assert leaves == []
+
+
+def test_without_netem_the_shaper_says_why_and_installs_htb_alone() -> None:
+    tc = FakeTc(unknown=["netem"])
+    shaper = Shaper(tc)
+    available, why = shaper.netem_available()
+    assert available is False and "Specified qdisc kind is unknown" in why
+    tc.calls.clear()
+    shaper.install(7000, LinkSpec(5e6, 0.02), netem=available)
+    assert shaper.installed
+    assert not any("netem" in c for c in tc.calls)
+    assert sum(c[0] == "class" for c in tc.calls) == 2
+    shaper.remove()
+    assert tc.calls[-1] == ["qdisc", "del", "dev", "lo", "root"] and not shaper.installed
+
+
+def test_with_netem_the_probe_is_removed_and_netem_carries_the_delay() -> None:
+    tc = FakeTc()
+    shaper = Shaper(tc)
+    assert shaper.netem_available() == (True, "")
+    assert tc.calls[-1] == ["qdisc", "del", "dev", "lo", "root"]  # the probe is not left
+    shaper.install(7000, LinkSpec(5e6, 0.02), netem=True)
+    assert sum("netem" in c and "delay" in c for c in tc.calls) == 1 + 2  # probe + 2 leaves
+
+
+def test_a_tc_failure_leaves_nothing_installed_and_names_the_command() -> None:
+    tc = FakeTc(fail_on="filter")
+    shaper = Shaper(tc)
+    with pytest.raises(OSError, match=r"tc filter add .*Operation not permitted"):
+        shaper.install(7000, LinkSpec(5e6, 0.02), netem=False)
+    assert not shaper.installed
+    assert tc.calls[-1] == ["qdisc", "del", "dev", "lo", "root"]
+
+
+# -- the delay proxy -------------------------------------------------------------------------
+@pytest.fixture
+def proxy_to_sink() -> Any:
+    """A :class:`Sink`, and a delay proxy process (100 ms one way) in front of it."""
+    delay_s = 0.1
+    with Sink() as sink:
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "lmprefetch.bench.serve.link", "proxy",
+            "--listen", str(port), "--target", str(sink.port), "--delay-ms", str(delay_s * 1e3),
+        ]  # fmt: skip
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT) as proc:
+            try:
+                assert proc.stdout is not None
+                assert PROXY_READY in proc.stdout.readline()  # (blocks until it listens)
+                yield sink.port, port, delay_s
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def test_the_proxy_delays_each_direction_and_pipelines(proxy_to_sink: Any) -> None:
+    sink_port, port, delay_s = proxy_to_sink
+    direct = measure_transfer(sink_port, 0, 1)
+    # One exchange through the proxy: the request waits delay_s, the answer delay_s again.
+    one = measure_transfer(port, 0, 1)
+    assert one >= 2 * delay_s > direct
+    # Many bytes each way arrive whole, and still only about one delay each way: the proxy
+    # forwards while it reads (a delay line), it does not wait delay_s per read.
+    many = measure_transfer(port, 4 << 20, 4 << 20)
+    assert many >= 2 * delay_s
+    reads = (4 << 20) // (1 << 16)  # the proxy reads at most 64 KiB at a time
+    assert many < reads * delay_s
+
+
+# -- the rate, on a real lo in a private network namespace -------------------------------------
+_RATE_CHECK = textwrap.dedent(
+    """
+    import json, sys
+    from lmprefetch.bench.serve.link import LinkSpec, Shaper, Sink, measure_transfer
+    rate, n = float(sys.argv[1]), int(sys.argv[2])
+    shaper = Shaper()
+    netem, why = shaper.netem_available()
+    out = {"netem": netem, "why": why}
+    with Sink() as sink:
+        out["unshaped"] = measure_transfer(sink.port, n, n)
+        shaper.install(sink.port, LinkSpec(rate, 0.0), netem=False)
+        out["up"] = measure_transfer(sink.port, n, 1)
+        out["down"] = measure_transfer(sink.port, 0, n)
+        shaper.remove()
+        out["removed"] = measure_transfer(sink.port, n, n)
+    print(json.dumps(out))
+    """
+)
+
+
+def _can_make_a_private_netns() -> bool:
+    from lmprefetch.bench.netns import unshare_argv
+
+    argv = unshare_argv(["true"])
+    if argv is None or shutil.which("tc") is None:
+        return False
+    unshare = argv[: argv.index("--")]
+    return (
+        subprocess.run([*unshare, "--", "true"], capture_output=True, check=False).returncode == 0
+    )
+
+
+@pytest.mark.skipif(
+    not _can_make_a_private_netns(), reason="needs tc and a private network namespace"
+)
+def test_the_shaper_limits_the_ports_rate_each_way_and_is_removed(tmp_path: Path) -> None:
+    rate, n = 4e6, 2 << 20  # 2 MiB at 4 MB/s: about 0.5 s each way
+    script = tmp_path / "rate_check.py"
+    script.write_text(_RATE_CHECK)
+    argv = [sys.executable, "-m", "lmprefetch.bench.netns", sys.executable, str(script)]
+    done = subprocess.run(
+        [*argv, str(rate), str(n)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # The detection matches what tc says about netem on this kernel.
+    assert out["netem"] is (out["why"] == ""), out
+    if not out["netem"]:
+        assert out["why"]
+    floor = 0.8 * n / rate  # (htb lets one burst through at once)
+    assert out["up"] >= floor and out["down"] >= floor, out
+    # Unshaped, the same bytes both ways take a fraction of that (loopback: milliseconds).
+    assert out["unshaped"] < floor and out["removed"] < floor, out
+
+
+# -- the scenarios ---------------------------------------------------------------------------
+def test_the_link_scenarios_are_the_issues_and_not_in_the_default_run() -> None:
+    assert list(LINK_SCENARIOS.values()) == LINK_NAMES
+    assert [n for n in SCENARIO_NAMES if "_remote_" in n] == LINK_NAMES
+    assert not set(LINK_NAMES) & set(DEFAULT_SCENARIOS)
+    by_name = {s.name: s for s in SCENARIOS}
+    assert [by_name[n].load_policy for n in LINK_NAMES] == ["always", "never", "cost"] * 2
+    assert [by_name[n].link for n in LINK_NAMES] == ["slow"] * 3 + ["fast"] * 3
+    assert all(by_name[n].tier == "redis" and by_name[n].servers == 1 for n in LINK_NAMES)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_scenarios_and_the_slow_link_from_the_command_line() -> None:
+    opts = options_from_args(_args("--quick"))
+    assert opts.scenarios == DEFAULT_SCENARIOS
+    assert not _needs_private_netns(opts)
+    link_args = ["--slow-link-rate", "5", "--slow-link-delay-ms", "30"]
+    opts = options_from_args(
+        _args("--quick", "--scenarios", "slow_remote_cost, fast_remote_always", *link_args)
+    )
+    assert opts.scenarios == ("slow_remote_cost", "fast_remote_always")
+    assert opts.slow_link_rate == 5e6 and math.isclose(opts.slow_link_delay_s, 0.03)
+    assert opts.settings()["slow_link"] == {"rate_bytes_per_s": 5e6, "delay_ms": 30.0}
+    fast_only = options_from_args(_args("--quick", "--scenarios", "fast_remote_cost"))
+    from lmprefetch.bench.netns import loopback_only
+
+    # Only a slow link needs a namespace of the benchmark's own (and only where it is not).
+    assert _needs_private_netns(opts) is not loopback_only()
+    assert not _needs_private_netns(fast_only)
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--slow-link-rate", "0"], "slow_link_rate"),
+        (["--slow-link-rate", "nan"], "slow_link_rate"),
+        (["--slow-link-delay-ms", "-1"], "slow_link_delay_s"),
+        (["--scenarios", "slow_remote_sometimes"], "scenarios"),
+    ],
+)
+def test_bad_link_options_one_line_naming_the_field(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench-serve", "--quick", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"lmprefetch: {field}:"), err
+
+
+def test_the_measured_servers_cpu_tier_cannot_keep_a_document_until_it_returns() -> None:
+    from lmprefetch.bench.serve.model import kv_bytes_per_token
+    from lmprefetch.bench.serve.run import link_cpu_bytes
+
+    for opts in (ServeBenchOptions.full(), ServeBenchOptions.quick_preset()):
+        chunk = opts.chunk_size * kv_bytes_per_token(opts.model)
+        doc = (opts.long_doc.doc_tokens // opts.chunk_size) * chunk
+        cpu = link_cpu_bytes(opts)
+        assert doc < cpu < 2 * doc  # one document's load fits, two documents do not
+        assert opts.long_doc.docs >= 3  # so a document is gone when it comes back
+
+
+# -- figures, goals and the JSON ---------------------------------------------------------------
+def _link_result(p50_ms: dict[str, float]) -> dict[str, Any]:
+    from lmprefetch.bench.serve.run import WorkloadStats
+
+    opts = ServeBenchOptions.quick_preset(scenarios=tuple(p50_ms))
+    raw: dict[str, Any] = {}
+    for name, ms in p50_ms.items():
+        policy = {"always": "always", "recompute": "never", "cost": "cost"}[name.split("_")[-1]]
+        loads = policy != "never"
+        stats = WorkloadStats(
+            ttft_s=[ms / 1e3 * f for f in (0.9, 1.0, 1.1)],
+            requests=3,
+            completion_tokens=24,
+            prompt_tokens=6240,
+            cached_tokens=6144 if loads else 0,
+            elapsed_s=3.0,
+            metrics={"external_kv_transfer": 6144.0 if loads else 0.0},
+        )
+        slow = name.startswith("slow")
+        raw[name] = {
+            "long_doc_qa": stats,
+            "chat": None,
+            "startup_s": [20.0, 21.0],
+            "link": {
+                "kind": "slow" if slow else "fast",
+                "mechanism": "htb+proxy" if slow else "none",
+            },
+            "load_policy": policy,
+            "load_policy_set": True,
+            "lmprefetch_cpu_bytes": 12 << 20,
+            "redis_sent_bytes": (6144 * 4096 + 1000) if loads else 500,
+        }
+    return {
+        "raw": raw,
+        "settings": opts.settings(),
+        "machine": {"cpu": "x", "cores": 2, "memory_gib": 1, "python": "3", "versions": {}},
+        "load_average": {"before": [1.0, 1.0, 1.0], "after": [1.0, 1.0, 1.0]},
+        "elapsed_s": 1.0,
+    }
+
+
+def test_link_figures_and_goals_from_the_same_run() -> None:
+    from lmprefetch.bench.serve import _finite
+    from lmprefetch.bench.serve.report import format_report, summarize
+
+    p50 = dict(zip(LINK_NAMES, [1000.0, 500.0, 540.0, 150.0, 500.0, 200.0]))
+    summary = summarize(_link_result(p50))
+    doc = json.loads(json.dumps(_finite(summary)))
+    for name in LINK_NAMES:
+        entry = doc["scenarios"][name]
+        assert math.isclose(entry["ttft_p50_ms"], p50[name])
+        assert "chat" not in entry  # long-document QA only
+        assert entry["link"]["mechanism"] and entry["load_policy"]
+    always = doc["scenarios"]["slow_remote_always"]
+    assert math.isclose(always["redis_sent_vs_hit_bytes"], 1 + 1000 / (6144 * 4096))
+    assert doc["scenarios"]["slow_remote_recompute"]["redis_sent_vs_hit_bytes"] is None
+    goals = {g["key"]: g for g in doc["goals"]}
+    slow, fast = goals["slow_remote_cost_vs_best"], goals["fast_remote_cost_vs_always"]
+    assert math.isclose(slow["figure"], 540 / 500) and slow["met"] is True  # vs recompute
+    assert slow["limit"] == 1.1
+    assert slow["p50_ms"] == {n: p50[n] for n in LINK_NAMES[:3]}
+    assert math.isclose(fast["figure"], 200 / 150) and fast["met"] is False  # vs always
+    assert fast["p50_ms"] == {"fast_remote_cost": 200.0, "fast_remote_always": 150.0}
+    text = format_report(summary)
+    assert "slow_remote_cost 540 ms" in text and "fast_remote_always 150 ms" in text
+    assert text.count("[MISSED]") == 1 and "Redis link scenarios" in text
+
+
+def test_a_link_goal_without_all_its_peers_is_not_measured() -> None:
+    from lmprefetch.bench.serve.report import summarize
+
+    result = _link_result({"slow_remote_cost": 500.0, "slow_remote_always": 400.0})
+    result["raw"]["slow_remote_recompute"] = {"error": "no load_policy", "unavailable": True}
+    goals = {g["key"]: g for g in summarize(result)["goals"]}
+    assert goals["slow_remote_cost_vs_best"]["met"] is None
+    assert goals["fast_remote_cost_vs_always"]["met"] is None
