@@ -280,8 +280,9 @@ def test_the_measured_servers_cpu_tier_cannot_keep_a_document_until_it_returns()
         chunk = opts.chunk_size * kv_bytes_per_token(opts.model)
         doc = (opts.long_doc.doc_tokens // opts.chunk_size) * chunk
         cpu = link_cpu_bytes(opts)
-        assert doc < cpu < 2 * doc  # one document's load fits, two documents do not
-        assert opts.long_doc.docs >= 3  # so a document is gone when it comes back
+        # A lookup may hold half the arena: one document's load fits, three documents do not.
+        assert 2 * doc < cpu < 3 * doc
+        assert opts.long_doc.docs >= 4  # so a document is gone when it comes back
 
 
 # -- figures, goals and the JSON ---------------------------------------------------------------

@@ -137,7 +137,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         probe="cpu",
         model="sliding-window",
     ),
-    *_link_scenarios(),
     Scenario("lmcache", "prefix caching + LMCache 0.5.6 LMCacheConnectorV1", connector="lmcache"),
     Scenario(
         "lmcache_mp",
@@ -145,6 +144,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="lmcache_mp",
         probe="cpu",
     ),
+    *_link_scenarios(),
 )
 SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
 #: What a run without ``--scenarios`` runs: all but the Redis link scenarios (issue 20's

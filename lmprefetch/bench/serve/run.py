@@ -840,12 +840,13 @@ def has_load_policy() -> bool:
 
 def link_cpu_bytes(opts: ServeBenchOptions) -> int:
     """The measured server's CPU tier (all of lmprefetch's host memory) in a link scenario:
-    room for one request's load (every whole chunk of a document) and half as much again, so
-    a document is evicted before it comes back (every other document passes in between) and
-    every hit is read from Redis."""
+    twice one request's load (every whole chunk of a document, and one more), since a lookup
+    may hold at most half the arena (the prefetch limiter); that is less than three
+    documents, so with four or more a document is evicted before it comes back (every other
+    document passes in between) and every hit is read from Redis."""
     chunk_bytes = opts.chunk_size * kv_bytes_per_token(opts.model)
     chunks = opts.long_doc.doc_tokens // opts.chunk_size + 1
-    return max(2, -(-3 * chunks // 2)) * chunk_bytes
+    return 2 * chunks * chunk_bytes
 
 
 def _redis_sent_bytes(redis_url: str) -> int:
