@@ -25,7 +25,12 @@ clients listen on every interface),
 hybrid KV cache manager on: two KV cache groups),
 ``lmcache`` (LMCache's in-process ``LMCacheConnectorV1``) and ``lmcache_mp`` (LMCache's
 ``LMCacheMPConnector`` with an ``lmcache server`` process), both in the environment of
-``--lmcache-python`` and reported with the reason when they cannot run.
+``--lmcache-python`` and reported with the reason when they cannot run.  Asked for by name
+only (``--scenarios``), the Redis link scenarios of the load-or-recompute policy:
+``slow_remote_always``, ``slow_remote_recompute`` and ``slow_remote_cost`` (a server whose only
+hit tier is Redis, behind a throttled link, loading always, never and by the cost policy; the
+run then enters a private network namespace of its own, see :mod:`.link`) and the same three
+``fast_remote_*`` over an unthrottled link.
 
 Every process is started in its own session and stopped by its own process group
 (:mod:`.procs`); every file (model, disk tier, Redis directory, vLLM's sockets) lives in one

@@ -9,8 +9,13 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
                       "speedup_vs_recompute": …, "speedup_vs_apc": …, "chat": {…}, …},
         "apc": {…}, "lmprefetch_cpu": {…, "probe": {…}}, "lmprefetch_disk_restart": {…},
         "shared_redis": {…}, "shared_mooncake": {…}, "lmprefetch_hybrid": {…, "model": "…",
-        "probe": {…}}, "lmcache": {… or "error": "…"}, "lmcache_mp": {…}},
-     "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …],
+        "probe": {…}}, "lmcache": {… or "error": "…"}, "lmcache_mp": {…},
+        "slow_remote_always": {"ttft_p50_ms": …, …, "link": {"kind": "slow", "mechanism":
+                               "netem" | "htb+proxy", …}, "load_policy": "always",
+                               "redis_sent_bytes": …, "external_hit_bytes": …,
+                               "redis_sent_vs_hit_bytes": …}, … (no "chat")},
+     "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …
+               (the link goals add "p50_ms": {scenario: p50, …})],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
 
 ``hit_tokens`` is the sum of ``usage.prompt_tokens_details.cached_tokens`` over the measured
