@@ -331,7 +331,10 @@ def test_link_figures_and_goals_from_the_same_run() -> None:
     from lmprefetch.bench.serve.report import format_report, summarize
 
     p50 = dict(zip(LINK_NAMES, [1000.0, 500.0, 540.0, 150.0, 500.0, 200.0]))
-    summary = summarize(_link_result(p50))
+    result = _link_result(p50)
+    measured = {"ping_ms": 41.0, "chunk_get_ms": 150.0, "chunk_bytes": 1 << 20}
+    result["raw"]["slow_remote_always"]["link"]["measured"] = measured
+    summary = summarize(result)
     doc = json.loads(json.dumps(_finite(summary)))
     for name in LINK_NAMES:
         entry = doc["scenarios"][name]
@@ -351,6 +354,7 @@ def test_link_figures_and_goals_from_the_same_run() -> None:
     text = format_report(summary)
     assert "slow_remote_cost 540 ms" in text and "fast_remote_always 150 ms" in text
     assert text.count("[MISSED]") == 1 and "Redis link scenarios" in text
+    assert "(PING 41 ms, GET of a 1024 KiB chunk 150 ms)" in text
 
 
 def test_a_link_goal_without_all_its_peers_is_not_measured() -> None:

@@ -297,6 +297,16 @@ def _workload_table(summary: dict[str, Any], workload: str) -> list[str]:
     return lines
 
 
+def _link_measured(link: dict[str, Any]) -> str:
+    m = link.get("measured")
+    if not m:
+        return ""
+    return (
+        f" (PING {_ms(m['ping_ms'])}, GET of a {m['chunk_bytes'] >> 10} KiB chunk "
+        f"{_ms(m['chunk_get_ms'])})"
+    )
+
+
 def format_report(summary: dict[str, Any]) -> str:
     s = summary["settings"]
     m = summary["machine"]
@@ -383,6 +393,7 @@ def format_report(summary: dict[str, Any]) -> str:
                 f"{e['metrics'].get('external_kv_transfer', 0):>12,}"
                 f"{e['redis_sent_bytes'] / (1 << 20):>8,.1f} MiB"
                 f"{_x(e['redis_sent_vs_hit_bytes']):>13}  {e['link']['mechanism']}"
+                + _link_measured(e["link"])
             )
     lines += ["", "Goals (benchmark figures, not tests):"]
     for g in summary["goals"]:

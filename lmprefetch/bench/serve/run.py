@@ -860,6 +860,27 @@ def _redis_sent_bytes(redis_url: str) -> int:
         client.close()
 
 
+def _time_link(redis_url: str, name: bytes, repeats: int = 3) -> dict[str, float]:
+    """The link as a client sees it, measured before the server uses it: the best of a few
+    ``PING`` round trips and ``GET`` of one chunk (blocking: call it in a thread)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ping, get, size = math.inf, math.inf, 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            client.ping()
+            ping = min(ping, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            value = client.get(name)
+            get = min(get, time.perf_counter() - t0)
+            size = len(value) if isinstance(value, bytes) else 0
+        return {"ping_ms": ping * 1e3, "chunk_get_ms": get * 1e3, "chunk_bytes": size}
+    finally:
+        client.close()
+
+
 async def _open_link(
     procs: ProcessSet, ctx: Context, sc: Scenario, redis_port: int, stack: contextlib.AsyncExitStack
 ) -> tuple[int, dict[str, Any]]:
@@ -955,6 +976,12 @@ async def _run_link_scenario(
         await stop_server(procs, warm)
 
         port, link = await _open_link(procs, ctx, sc, redis_port, stack)
+        from ...tiers.redis import redis_key
+
+        first_chunk = redis_key(_probe_keys(ctx, docs[:1])[0])
+        link["measured"] = await trio.to_thread.run_sync(
+            _time_link, f"redis://127.0.0.1:{port}", first_chunk
+        )
         kv_config = lmprefetch_kv_config(opts, redis_url=f"redis://127.0.0.1:{port}")
         extra = kv_config["kv_connector_extra_config"]
         extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
