@@ -355,6 +355,7 @@ def test_link_figures_and_goals_from_the_same_run() -> None:
     assert "slow_remote_cost 540 ms" in text and "fast_remote_always 150 ms" in text
     assert text.count("[MISSED]") == 1 and "Redis link scenarios" in text
     assert "(PING 41 ms, GET of a 1024 KiB chunk 150 ms)" in text
+    assert "Multi-round chat" not in text  # no scenario of this run has one
 
 
 def test_a_link_goal_without_all_its_peers_is_not_measured() -> None:

@@ -336,12 +336,16 @@ def format_report(summary: dict[str, Any]) -> str:
         f"one {ld['question_tokens']}-token question per document, {ld['answer_tokens']} "
         "tokens generated, one request at a time",
         *_workload_table(summary, "long_doc_qa"),
-        "",
-        f"Multi-round chat: {ch['sessions']} sessions, {ch['system_tokens']}-token shared "
-        f"system prompt, {s['rounds']} rounds of {ch['user_tokens']}-token messages and "
-        f"{ch['answer_tokens']}-token answers, {ch['concurrency']} users at a time",
-        *_workload_table(summary, "chat"),
     ]
+    chat = _workload_table(summary, "chat")
+    if len(chat) > 1:  # (not when only link scenarios ran: they have no chat)
+        lines += [
+            "",
+            f"Multi-round chat: {ch['sessions']} sessions, {ch['system_tokens']}-token shared "
+            f"system prompt, {s['rounds']} rounds of {ch['user_tokens']}-token messages and "
+            f"{ch['answer_tokens']}-token answers, {ch['concurrency']} users at a time",
+            *chat,
+        ]
     probes = [(name, e["probe"]) for name, e in summary["scenarios"].items() if e.get("probe")]
     if probes:
         lines += [
