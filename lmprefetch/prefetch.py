@@ -191,6 +191,7 @@ class Engine:
         cpu: CpuTier,
         tiers: Sequence[Tier],
         kv_events: KVEventTracker | None = None,
+        policy: LoadPolicy | None = None,
     ) -> None:
         self.config = config
         #: The KV-event tracker (``None`` when events are off; see :mod:`lmprefetch.events`).
@@ -222,7 +223,7 @@ class Engine:
         self._nursery = nursery
         self._lookups = _Lookups(config.claim_ttl_s)
         #: The load-or-recompute policy (``load_policy``; see :mod:`lmprefetch.policy`).
-        self.policy: LoadPolicy = make_policy(config.load_policy)
+        self.policy: LoadPolicy = policy if policy is not None else make_policy(config.load_policy)
         #: The engine's prefill cost, fed by whoever sees its model steps (the vLLM worker).
         self.prefill = PrefillModel(config.prefill_tokens_per_s)
         self._expiry_scope = trio.CancelScope()
@@ -698,6 +699,12 @@ class Engine:
         """The sequence number of the lookup running or held under ``lookup_id``, if any."""
         rec = self._lookups.by_id.get(lookup_id)
         return None if rec is None else rec.seq
+
+    def lookup_tier_tokens(self, lookup_id: str) -> tuple[tuple[str, int], ...]:
+        """The hit tokens each tier served a lookup that holds its result, in prefix order
+        (``((tier name, tokens), ...)``; the skipped chunks are not counted), else ``()``."""
+        rec = self._lookups.by_id.get(lookup_id)
+        return () if rec is None or rec.state is not LookupState.HELD else rec.tier_tokens
 
     def lookup_state(self, lookup_id: str) -> LookupState | None:
         """The state of the lookup running or held under ``lookup_id`` (LOADING or HELD), or
