@@ -7,6 +7,8 @@ here runs on ``autojump_clock``: deterministic and instant.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import trio
 
@@ -272,3 +274,26 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 8 * CS
         assert eng.stats()["lookups"]["deadline_cut"] == 0
         eng.cancel("d")
+
+
+def test_the_tier_split_travels_from_worker_to_client() -> None:
+    """A worker's answer says which tiers served the hit; the client hands it to the
+    scheduler (``LookupClient.tier_tokens``), for vLLM's hit counts by source."""
+    from lmprefetch import LookupClient, WorkerRuntime
+
+    tag = uuid.uuid4().hex[:10]
+    req, resp = f"ipc://@lmp-policy-{tag}-w0", f"ipc://@lmp-policy-{tag}-s"
+    config = PrefetchConfig(chunk_size=4, chunk_bytes=64, cpu_bytes=64 * 32, lookup_timeout_s=10.0)
+    prompt = list(range(12))
+    with (
+        WorkerRuntime.start(config, request_endpoint=req, response_endpoint=resp) as worker,
+        LookupClient(config, [req], resp) as client,
+    ):
+        assert worker.store(prompt, [b"a" * 16, b"b" * 16]) == 2
+        assert client.lookup("x", prompt, skip_tokens=4) is None
+        assert client.wait("x", 10.0) == 8
+        assert client.tier_tokens("x") == [("cpu", 4)]  # past the skipped chunk
+        assert client.lookup("miss", list(range(100, 112))) is None
+        assert client.wait("miss", 10.0) == 0
+        assert client.tier_tokens("miss") == []
+        client.cancel("x")
