@@ -700,6 +700,18 @@ class Engine:
         rec = self._lookups.by_id.get(lookup_id)
         return None if rec is None else rec.seq
 
+    def policy_counters(self) -> dict[str, int]:
+        """The load policy's decision counters (``policy_loaded``, ``policy_truncated``,
+        ``policy_skipped``, ``deadline_cut``).  Any thread: it only reads integers, so a
+        reading taken while a lookup runs may be one decision behind."""
+        c = self._lookups.counters
+        return {
+            "policy_loaded": c.policy_loaded,
+            "policy_truncated": c.policy_truncated,
+            "policy_skipped": c.policy_skipped,
+            "deadline_cut": c.deadline_cut,
+        }
+
     def lookup_tier_tokens(self, lookup_id: str) -> tuple[tuple[str, int], ...]:
         """The hit tokens each tier served a lookup that holds its result, in prefix order
         (``((tier name, tokens), ...)``; the skipped chunks are not counted), else ``()``."""
