@@ -198,6 +198,11 @@ class PrefillModel:
             self._xy += a * (x * y - self._xy)
             self._samples += 1
 
+    @property
+    def samples(self) -> int:
+        """Steps observed so far."""
+        return self._samples
+
     def tokens_per_s(self) -> float | None:
         """The measured rate (the configured one until measured), or ``None``."""
         with self._lock:
