@@ -7,6 +7,7 @@ here runs on ``autojump_clock``: deterministic and instant.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -297,3 +298,19 @@ def test_the_tier_split_travels_from_worker_to_client() -> None:
         assert client.wait("miss", 10.0) == 0
         assert client.tier_tokens("miss") == []
         client.cancel("x")
+
+
+def test_the_custom_policy_in_the_docs_works() -> None:
+    """docs/policy.md's example policy, run as written."""
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "policy.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", page, re.S)
+    namespace: dict[str, object] = {}
+    exec(compile(code, "docs/policy.md", "exec"), namespace)
+    policy = namespace["LocalOnly"]()  # type: ignore[operator]
+    cpu = HitPart("cpu", 2, 2 * PAYLOAD, True, TierCost())
+    disk = HitPart("disk", 3, 3 * PAYLOAD, False, FAST)
+    redis = HitPart("redis", 4, 4 * PAYLOAD, False, SLOW)
+    assert policy.chunks_to_load(_request([cpu, disk, redis], None)) == 5
+    assert policy.chunks_to_load(_request([redis, cpu], None)) == 0
