@@ -123,6 +123,7 @@ class Entry:
         "result",
         "seq",
         "submitted_at",
+        "tier_tokens",
         "timed_out",
     )
 
@@ -135,6 +136,9 @@ class Entry:
         #: worker_id → hit tokens; LMCache answers get fresh negative keys.
         self.answers: dict[int, int] = {}
         self.result: int | None = None
+        #: worker_id → the tiers that served its hit (``[(tier, tokens), ...]``), where said;
+        #: once answered, the split of the rank whose answer is the result.
+        self.tier_tokens: dict[int, list[tuple[str, int]]] = {}
         self.timed_out = False
         #: ``time.monotonic()`` at submit, and when the last rank's answer arrived.
         self.submitted_at = 0.0
@@ -457,8 +461,13 @@ class Bridge:
                     counters["duplicate_answers"] += 1
                     continue
                 e.answers[rank] = msg.num_hit_tokens
+                if msg.tier_tokens:
+                    e.tier_tokens[rank] = msg.tier_tokens
                 if len(e.answers) >= e.expected:
                     e.result = min(e.answers.values())
+                    lowest = min(e.answers, key=e.answers.__getitem__)
+                    split = e.tier_tokens.get(lowest)
+                    e.tier_tokens = {lowest: split} if split else {}
                     e.answered_at = _monotonic()
                     counters["answered"] += 1
                     completed = True

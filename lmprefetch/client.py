@@ -242,6 +242,17 @@ class LookupClient:
             return None
         return e.submitted_at, e.answered_at
 
+    def tier_tokens(self, lookup_id: str) -> list[tuple[str, int]]:
+        """Which tiers served an answered lookup's hit: ``(tier name, tokens)`` pairs in
+        prefix order, covering the hit past the skipped tokens, as the rank whose answer is
+        the result reported it.  Empty for an unknown or unanswered id, a miss, or a worker
+        that does not say (an LMCache worker)."""
+        e = self._entries.get(lookup_id)
+        if e is None or e.result is None:
+            return []
+        with self._lock:
+            return [item for split in e.tier_tokens.values() for item in split]
+
     def stats(self) -> dict[str, int]:
         """Counters: ``submitted``, ``answered``, ``timeouts``, ``cancels``,
         ``stale_answers_dropped`` (for an unknown, older, answered or timed-out lookup),

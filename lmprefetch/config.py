@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ __all__ = [
     "ENV_PREFIX",
     "HASH_ALGORITHMS",
     "KV_DTYPES",
+    "LOAD_POLICIES",
     "MOONCAKE_PROTOCOLS",
     "MOONCAKE_SEGMENT_MIN",
     "ConfigFileError",
@@ -183,6 +185,18 @@ def _no_spaces(text: str) -> str | None:
     return None
 
 
+#: The load policies ``load_policy`` names without a module (see :mod:`lmprefetch.policy`).
+LOAD_POLICIES = ("always", "never", "cost")
+_CUSTOM_POLICY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+
+
+def _load_policy(name: str) -> str | None:
+    # Only the form: the module is imported when the engine opens (lmprefetch.policy).
+    if name in LOAD_POLICIES or _CUSTOM_POLICY.fullmatch(name):
+        return None
+    return f"must be one of {LOAD_POLICIES} or 'package.module:Class', got {name!r}"
+
+
 def _mooncake_segment(size: int) -> str | None:
     # 0 is allowed (the standalone-store deployment), so this is not a lower bound.
     if size != 0 and size < MOONCAKE_SEGMENT_MIN:
@@ -276,6 +290,35 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "slower than this ends the lookup's prefix at that tier."
         ),
     ] = 2.0
+
+    # -- load or recompute (lmprefetch.policy) -------------------------------------------
+    load_policy: Annotated[
+        _NonEmpty,
+        Meta(
+            extra={"check": _load_policy},
+            description="How much of a hit a lookup loads: ``always`` (all of it), ``never`` "
+            "(nothing: answer at once, recompute), ``cost`` (the prefix expected to reach the "
+            "first token soonest, from measured tier and prefill costs), or "
+            "``package.module:Class`` (a custom policy, imported when the engine opens).  See "
+            "docs/policy.md.",
+        ),
+    ] = "always"
+    load_deadline_s: Annotated[
+        _Seconds | None,
+        Meta(
+            description="Load budget of one lookup, from its start: when its loads run past "
+            "it, the lookup answers the prefix already loaded and cancels and releases the "
+            "rest (counted as ``deadline_cut``).  Unset: only ``lookup_timeout_s`` bounds it."
+        ),
+    ] = None
+    prefill_tokens_per_s: Annotated[
+        Annotated[float, Meta(gt=0, le=1e9, extra={"unit": "tokens/s"})] | None,
+        Meta(
+            description="The engine's prefill rate for the ``cost`` policy until it is "
+            "measured (the vLLM connector measures it from model steps).  Unset: until "
+            "measured, ``cost`` loads the whole hit.",
+        ),
+    ] = None
 
     # -- memory -----------------------------------------------------------------------
     cpu_bytes: Annotated[

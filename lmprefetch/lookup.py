@@ -96,6 +96,14 @@ class LookupStatistics(msgspec.Struct, frozen=True, gc=False):
     #: deadline had passed on arrival (answered 0).
     malformed: int
     deadline_expired: int
+    #: The load policy's decisions on lookups that found a hit past the skipped chunks: the
+    #: whole hit loaded, a shorter prefix loaded, nothing loaded (``never`` counts every
+    #: lookup here); and lookups whose loads the deadline cut short (``load_deadline_s`` or
+    #: ``lookup_timeout_s``), answering the prefix loaded by then.
+    policy_loaded: int
+    policy_truncated: int
+    policy_skipped: int
+    deadline_cut: int
     #: Lookups loading (or unwinding after a cancel) and holding a result, now.
     inflight: int
     held: int
@@ -105,6 +113,7 @@ class _Counters:
     __slots__ = (
         "cancelled",
         "claimed",
+        "deadline_cut",
         "deadline_expired",
         "expired",
         "failed",
@@ -112,6 +121,9 @@ class _Counters:
         "hits",
         "malformed",
         "misses",
+        "policy_loaded",
+        "policy_skipped",
+        "policy_truncated",
         "started",
     )
 
@@ -119,6 +131,8 @@ class _Counters:
         self.started = self.hits = self.misses = self.hit_tokens = 0
         self.claimed = self.cancelled = self.expired = 0
         self.failed = self.malformed = self.deadline_expired = 0
+        self.policy_loaded = self.policy_truncated = self.policy_skipped = 0
+        self.deadline_cut = 0
 
 
 class _Lookup:
@@ -169,6 +183,7 @@ class _Lookup:
         "seq",
         "started",
         "state",
+        "tier_tokens",
     )
 
     def __init__(
@@ -191,6 +206,9 @@ class _Lookup:
         #: The cancel scope of the lookup's task, if it has one (see :meth:`run_in_task`).
         self.scope: trio.CancelScope | None = None
         self._ended: trio.Event | None = None  # made by whoever waits for the task to end
+        #: The hit tokens each tier served, in prefix order (skipped chunks not counted):
+        #: ``((tier name, tokens), ...)``, set before a ``hold``.
+        self.tier_tokens: tuple[tuple[str, int], ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -415,6 +433,10 @@ class _Lookups:
             failed=c.failed,
             malformed=c.malformed,
             deadline_expired=c.deadline_expired,
+            policy_loaded=c.policy_loaded,
+            policy_truncated=c.policy_truncated,
+            policy_skipped=c.policy_skipped,
+            deadline_cut=c.deadline_cut,
             inflight=self.inflight,
             held=self.held,
         )

@@ -57,6 +57,7 @@ LATENCY_BUCKETS_S = (
 #: The labels every family carries.
 RANK_LABELS = ["rank", "world_size"]
 
+
 def _gauges(s: WorkerStatistics) -> dict[str, tuple[float, str]]:
     e = s.engine
     return {
@@ -88,6 +89,24 @@ _TIER_COUNTERS = {
     "errors": ("lmprefetch_tier_errors", "Tier operations that failed or timed out"),
     "writes_dropped": ("lmprefetch_tier_writes_dropped", "Write-behind chunks dropped"),
     "evictions": ("lmprefetch_tier_evictions", "Entries evicted from a tier"),
+}
+#: ``lmprefetch_load_decisions{decision=…}``: the load policy's decisions (docs/policy.md).
+_DECISIONS = {
+    "loaded": "policy_loaded",
+    "truncated": "policy_truncated",
+    "skipped": "policy_skipped",
+    "deadline_cut": "deadline_cut",
+}
+#: Per-tier cost estimates (gauges; absent until measured).
+_TIER_COSTS = {
+    "latency_s_ewma": (
+        "lmprefetch_tier_latency_seconds",
+        "Moving average of a tier call's latency",
+    ),
+    "load_bytes_per_s_ewma": (
+        "lmprefetch_tier_load_bytes_per_second",
+        "Moving average of a tier's load throughput",
+    ),
 }
 #: ``lmprefetch_messages_dropped{reason=…}``: the field of :class:`ServerStatistics`, and
 #: the label.
@@ -123,6 +142,21 @@ class _StatsCollector(Collector):
         )
         hit_tokens.add_metric(ident, s.engine.lookups.hit_tokens)
         yield hit_tokens
+        decisions = CounterMetricFamily(
+            "lmprefetch_load_decisions",
+            "Load policy decisions on lookups that found a hit (and deadline cuts)",
+            labels=[*RANK_LABELS, "decision"],
+        )
+        for label, name in _DECISIONS.items():
+            decisions.add_metric([*ident, label], getattr(s.engine.lookups, name))
+        yield decisions
+        for name, (family_name, doc) in _TIER_COSTS.items():
+            gauge = GaugeMetricFamily(family_name, doc, labels=[*RANK_LABELS, "tier"])
+            for tier, counters in s.engine.tiers:
+                value = getattr(counters, name)
+                if value is not None:
+                    gauge.add_metric([*ident, tier], value)
+            yield gauge
         for name, (family_name, doc) in _TIER_COUNTERS.items():
             family = CounterMetricFamily(family_name, doc, labels=[*RANK_LABELS, "tier"])
             for tier, counters in s.engine.tiers:

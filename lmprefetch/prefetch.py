@@ -49,6 +49,15 @@ from .keys import ChunkKey, KeyMaker
 from .limiter import LimiterStatistics, WeightedCapacityLimiter
 from .lookup import AnswerCallback, LookupState, LookupStatistics, _Lookup, _Lookups
 from .memory import Arena, ArenaStatistics, Buffer
+from .policy import (
+    AlwaysLoad,
+    HitPart,
+    LoadPolicy,
+    LoadRequest,
+    NeverLoad,
+    PrefillModel,
+    make_policy,
+)
 from .store import ChunkStore, StoreStatistics
 from .tiers.base import Tier, TierStatistics, WriteBehindTier, ZeroCopyTier
 from .tiers.cpu import CpuTier
@@ -110,6 +119,11 @@ def _as_dict(value: Any) -> dict[str, Any]:
     return msgspec.structs.asdict(value)
 
 
+def _release_pairs(pairs: list[tuple[ChunkKey, Buffer]]) -> None:
+    for _, buf in pairs:
+        buf.release()
+
+
 class _Pins:
     """The pins one probe took on one tier; released exactly once, possibly in parts."""
 
@@ -131,13 +145,16 @@ class _Pins:
 class _Part:
     """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
 
-    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier")
+    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier", "zero_copy")
 
-    def __init__(self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins):
+    def __init__(
+        self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins, zero_copy: bool
+    ):
         self.tier = tier
         self.keys = keys
         self.n_chunks = n_chunks
         self.pins = pins
+        self.zero_copy = zero_copy
         self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
         self.loaded = 0  # whole chunks loaded contiguously from the part's first
 
@@ -145,6 +162,15 @@ class _Part:
         tail, self.buffers = self.buffers[start:], self.buffers[:start]
         for buf in tail:
             buf.release()
+
+    def truncate(self, n_chunks: int, kpc: int) -> None:
+        """Keep only the first ``n_chunks`` chunks: the rest's pins and buffers are released
+        now (synchronous)."""
+        self.n_chunks = n_chunks
+        self.keys = self.keys[: n_chunks * kpc]
+        self.pins.release_from(n_chunks * kpc)
+        self.release_buffers(n_chunks * kpc)
+        self.loaded = min(self.loaded, n_chunks)
 
 
 class Engine:
@@ -165,6 +191,7 @@ class Engine:
         cpu: CpuTier,
         tiers: Sequence[Tier],
         kv_events: KVEventTracker | None = None,
+        policy: LoadPolicy | None = None,
     ) -> None:
         self.config = config
         #: The KV-event tracker (``None`` when events are off; see :mod:`lmprefetch.events`).
@@ -195,6 +222,10 @@ class Engine:
         )
         self._nursery = nursery
         self._lookups = _Lookups(config.claim_ttl_s)
+        #: The load-or-recompute policy (``load_policy``; see :mod:`lmprefetch.policy`).
+        self.policy: LoadPolicy = policy if policy is not None else make_policy(config.load_policy)
+        #: The engine's prefill cost, fed by whoever sees its model steps (the vLLM worker).
+        self.prefill = PrefillModel(config.prefill_tokens_per_s)
         self._expiry_scope = trio.CancelScope()
         nursery.start_soon(self._expire_held, name="lmprefetch-expiry")
         self._closed = False
@@ -269,10 +300,24 @@ class Engine:
         if skip_chunks == n_chunks:
             rec.end(sum(offsets))
             return rec
+        if type(self.policy) is NeverLoad:  # recompute: probe nothing, hold nothing
+            lookups.counters.policy_skipped += 1
+            rec.end(sum(offsets[:skip_chunks]) if skip_chunks else 0)
+            return rec
         held = self._hits_in_memory(hashes, skip_chunks)
         if held is not None:  # memory answers: no task
+            kpc = self._kpc
+            found = len(held) // kpc
+            keep = 0
             if held:
-                hit = skip_chunks + len(held) // self._kpc
+                cum = None if type(self.policy) is AlwaysLoad else [0, *accumulate(offsets)]
+                keep = self._decide([(self.cpu, found, True)], cum, skip_chunks)
+            if keep < found:
+                _release_pairs(held[keep * kpc :])
+                del held[keep * kpc :]
+            if held:
+                hit = skip_chunks + keep
+                rec.tier_tokens = ((self.cpu.name, sum(offsets[skip_chunks:hit])),)
                 rec.hold(held, sum(offsets[:hit]))
             else:
                 rec.end(sum(offsets[:skip_chunks]) if skip_chunks else 0)
@@ -320,6 +365,49 @@ class Engine:
             buf.release()
         return list(zip(keys, buffers[:whole]))
 
+    def _decide(
+        self,
+        parts: Sequence[tuple[Tier, int, bool]],
+        cum: Sequence[int] | None,
+        skip_chunks: int,
+    ) -> int:
+        """How many of the hit chunks (``parts``: tier, chunks, zero-copy, in prefix order)
+        to load: the policy's answer, clamped, and counted as loaded, truncated or skipped.
+        ``cum`` is the lookup's cumulative token counts (``None`` is fine for ``always``).
+        Synchronous, so no pin or buffer changes hands while it runs."""
+        found = sum(n for _, n, _ in parts)
+        counters = self._lookups.counters
+        policy = self.policy
+        keep = found
+        if found and type(policy) is not AlwaysLoad:
+            assert cum is not None
+            chunk_bytes = self.config.chunk_bytes
+            request = LoadRequest(
+                parts=tuple(
+                    HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost()) for t, n, zc in parts
+                ),
+                chunk_tokens=tuple(
+                    cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)
+                ),
+                computed_tokens=cum[skip_chunks],
+                prompt_tokens=cum[-1],
+                prefill=self.prefill,
+            )
+            try:
+                keep = max(0, min(found, int(policy.chunks_to_load(request))))
+            except Exception:
+                log.exception("load policy %r failed; loading the whole hit", policy)
+                keep = found
+        if not found:
+            pass
+        elif keep == found:
+            counters.policy_loaded += 1
+        elif keep:
+            counters.policy_truncated += 1
+        else:
+            counters.policy_skipped += 1
+        return keep
+
     async def _run_lookup(
         self,
         rec: _Lookup,
@@ -331,10 +419,15 @@ class Engine:
     ) -> None:
         """A lookup that needs I/O, start to end (see the module docstring)."""
         chunks = 0  # what a lookup that fails or is cancelled answers
+        load_deadline_s = self.config.load_deadline_s
+        if load_deadline_s is not None:
+            deadline = min(deadline, rec.started + load_deadline_s)
         try:
             with scope, ExitStack() as owned:
                 try:
-                    total, loaded = await self._probe_and_load(keys, skip_chunks, deadline, owned)
+                    total, loaded = await self._probe_and_load(
+                        rec, keys, cum, skip_chunks, deadline, owned
+                    )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
                     log.exception("lookup %s failed; answering 0", rec.lookup_id)
@@ -351,11 +444,26 @@ class Engine:
             rec.end(cum[chunks])
 
     async def _probe_and_load(
-        self, keys: list[ChunkKey], skip_chunks: int, deadline: float, owned: ExitStack
+        self,
+        rec: _Lookup,
+        keys: list[ChunkKey],
+        cum: list[int],
+        skip_chunks: int,
+        deadline: float,
+        owned: ExitStack,
     ) -> tuple[int, list[tuple[ChunkKey, Buffer]]]:
         """Probe tiers, run their loads, keep the contiguous prefix: its chunk count (with
-        ``skip_chunks``) and its ``(key, buffer)`` pairs, which the caller now owns."""
+        ``skip_chunks``) and its ``(key, buffer)`` pairs, which the caller now owns; the
+        tokens each tier served go to ``rec.tier_tokens``.
+
+        With the ``always`` policy each tier's load starts as soon as its probe answers.
+        With any other, loads start once every tier was probed and the policy chose how
+        many hit chunks to load (:meth:`_decide`); the pins (and zero-copy references) of
+        the chunks past that point are released at once, before anything else runs.  At
+        ``deadline`` (the lookup's, or its ``load_deadline_s``) the loads still running are
+        cancelled: the prefix loaded by then is kept, and the cut is counted."""
         kpc = self._kpc
+        defer = type(self.policy) is not AlwaysLoad
         n_chunks = len(keys) // kpc
         next_chunk = skip_chunks
         parts: list[_Part] = []
@@ -367,12 +475,13 @@ class Engine:
                 part.release_buffers()
 
         tier_timeout = self.config.tier_timeout_s
-        with trio.move_on_at(deadline):
+        with trio.move_on_at(deadline) as budget:
             async with trio.open_nursery() as loads:
                 for tier, zero_copy in self._probe_order:
                     if next_chunk >= n_chunks:
                         break  # everything hit: stop probing early
                     remaining = keys[next_chunk * kpc :]
+                    probe_t0 = trio.current_time()
                     try:
                         with trio.move_on_after(tier_timeout) as probe:
                             raw = await tier.contains_prefix(remaining, pin=True)
@@ -387,6 +496,7 @@ class Engine:
                         tier.stats.errors += 1
                         break
                     # No checkpoint from here until the part is registered.
+                    tier.stats.observe_probe(trio.current_time() - probe_t0)
                     raw = max(0, min(raw, len(remaining)))
                     pins = _Pins(tier, remaining[:raw])
                     owned.callback(pins.release)
@@ -394,16 +504,28 @@ class Engine:
                     pins.release_from(hit * kpc)  # round down to whole chunks
                     if hit == 0:
                         continue  # the next tier gets the same keys
-                    part = _Part(tier, remaining[: hit * kpc], hit, pins)
+                    part = _Part(tier, remaining[: hit * kpc], hit, pins, zero_copy)
                     parts.append(part)
                     next_chunk += hit
                     if zero_copy:
                         self._take_zero_copy_hits(part)
-                    else:
+                    elif not defer:
                         loads.start_soon(self._load_part, part)
+                # No checkpoint from the last probe to the loads' start: the policy decides,
+                # and what it drops is released now.
+                keep = self._decide(
+                    [(p.tier, p.n_chunks, p.zero_copy) for p in parts], cum, skip_chunks
+                )
+                if defer:
+                    for part in parts:
+                        part.truncate(min(part.n_chunks, keep), kpc)
+                        keep -= part.n_chunks
+                        if part.n_chunks and not part.zero_copy:
+                            loads.start_soon(self._load_part, part)
         # Keep the contiguous prefix; release everything past the first hole.
         total = skip_chunks
         kept: list[tuple[ChunkKey, Buffer]] = []
+        sources: list[tuple[str, int]] = []
         hole = False
         for part in parts:
             if hole:
@@ -413,8 +535,16 @@ class Engine:
             kept.extend(zip(part.keys[:keep], part.buffers[:keep]))
             part.buffers = part.buffers[keep:]
             part.release_buffers()
+            if part.loaded:
+                tokens = cum[total + part.loaded] - cum[total]
+                if sources and sources[-1][0] == part.tier.name:
+                    tokens += sources.pop()[1]
+                sources.append((part.tier.name, tokens))
             total += part.loaded
             hole = part.loaded < part.n_chunks
+        if hole and budget.cancelled_caught:
+            self._lookups.counters.deadline_cut += 1
+        rec.tier_tokens = tuple(sources)
         return total, kept
 
     def _take_zero_copy_hits(self, part: _Part) -> None:
@@ -455,8 +585,11 @@ class Engine:
         tier.stats.load_started(t0)
         try:
             with trio.move_on_after(self.config.tier_timeout_s):
-                got = await tier.load(keys, buffers)
-                return max(0, min(got, len(keys)))
+                got = max(0, min(await tier.load(keys, buffers), len(keys)))
+                if got:
+                    n_bytes = sum(len(buf.view()) for buf in buffers[:got])
+                    tier.stats.observe_load(n_bytes, trio.current_time() - t0)
+                return got
         except Exception:
             log.warning("tier %s failed a load; prefix ends there", tier.name, exc_info=True)
             tier.stats.errors += 1
@@ -567,6 +700,24 @@ class Engine:
         rec = self._lookups.by_id.get(lookup_id)
         return None if rec is None else rec.seq
 
+    def policy_counters(self) -> dict[str, int]:
+        """The load policy's decision counters (``policy_loaded``, ``policy_truncated``,
+        ``policy_skipped``, ``deadline_cut``).  Any thread: it only reads integers, so a
+        reading taken while a lookup runs may be one decision behind."""
+        c = self._lookups.counters
+        return {
+            "policy_loaded": c.policy_loaded,
+            "policy_truncated": c.policy_truncated,
+            "policy_skipped": c.policy_skipped,
+            "deadline_cut": c.deadline_cut,
+        }
+
+    def lookup_tier_tokens(self, lookup_id: str) -> tuple[tuple[str, int], ...]:
+        """The hit tokens each tier served a lookup that holds its result, in prefix order
+        (``((tier name, tokens), ...)``; the skipped chunks are not counted), else ``()``."""
+        rec = self._lookups.by_id.get(lookup_id)
+        return () if rec is None or rec.state is not LookupState.HELD else rec.tier_tokens
+
     def lookup_state(self, lookup_id: str) -> LookupState | None:
         """The state of the lookup running or held under ``lookup_id`` (LOADING or HELD), or
         ``None`` (unknown, answered without a result to hold, cancelled, claimed, expired)."""
@@ -612,9 +763,7 @@ class Engine:
         """
         return await self._writes.store_hashes(hashes, payloads, blocks)
 
-    def describe_chunks(
-        self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks] | None
-    ) -> None:
+    def describe_chunks(self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks] | None) -> None:
         """Name chunks for KV events (see :meth:`~lmprefetch.events.KVEventTracker.describe`):
         ``blocks[i]`` names ``hashes[i]``; with ``blocks`` ``None``, in ``"chunks"`` mode, each
         chunk is named by its hash, its parent being the hash before it.  A chunk some tier

@@ -17,7 +17,8 @@ message                    fields (LMCache's first, then lmprefetch's extensions
 =========================  ==================================================================
 ``LookupRequestMsg``       ``lookup_id``, ``hashes``, ``offsets``, ``request_configs``;
                            ext ``seq``, ``deadline_ms``, ``skip_chunks``
-``LookupResponseMsg``      ``lookup_id``, ``num_hit_tokens``; ext ``seq``, ``worker_id``
+``LookupResponseMsg``      ``lookup_id``, ``num_hit_tokens``; ext ``seq``, ``worker_id``,
+                           ``tier_tokens``
 ``LookupCleanupMsg``       ``lookup_id``; ext ``seq``
 =========================  ==================================================================
 
@@ -119,6 +120,9 @@ class LookupResponseMsg(LookupMsg):
     seq: _U63 = 0
     #: The answering rank; -1 from an LMCache worker, which does not say.
     worker_id: _WorkerId = -1
+    #: Which tier served the hit: ``[tier name, tokens]`` pairs in prefix order, covering
+    #: the hit past the skipped chunks (``None`` from a peer that does not say).
+    tier_tokens: list[tuple[str, _U63]] | None = None
 
 
 class LookupCleanupMsg(LookupMsg):
@@ -200,9 +204,7 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
         return f"hashes and offsets differ in length ({n} != {len(msg.offsets)})"
     for i, offset in enumerate(msg.offsets):
         if not 0 < offset <= MAX_CHUNK_TOKENS:
-            return (
-                f"offsets[{i}] must be a token count of 1 to {MAX_CHUNK_TOKENS}, got {offset}"
-            )
+            return f"offsets[{i}] must be a token count of 1 to {MAX_CHUNK_TOKENS}, got {offset}"
     # With every offset below 2**32 the total overflows int64 only past 2**31 chunks, more
     # than any frame within max_message_bytes holds: a guard that no test can reach.
     total = sum(msg.offsets)  # pragma: no mutate

@@ -158,12 +158,22 @@ class LookupServer:
         lookup_id, seq, rank = msg.lookup_id, msg.seq, self.engine.rank
         outbox, lot = self._outbox, self._outbox_lot
 
+        engine = self.engine
+
         def on_answer(hit_tokens: int) -> None:
             # Called exactly once per accepted request, on the Trio thread.  Every field was
-            # range-checked on the way in, so the answer always encodes.
+            # range-checked on the way in, so the answer always encodes.  A positive answer's
+            # record is held (the transition comes first): it says which tiers served it.
+            sources = engine.lookup_tier_tokens(lookup_id) if hit_tokens else ()
             outbox.append(
                 protocol.encode(
-                    protocol.LookupResponseMsg(lookup_id, hit_tokens, seq=seq, worker_id=rank)
+                    protocol.LookupResponseMsg(
+                        lookup_id,
+                        hit_tokens,
+                        seq=seq,
+                        worker_id=rank,
+                        tier_tokens=list(sources) if sources else None,
+                    )
                 )
             )
             if lot:  # the send task is waiting for answers

@@ -22,6 +22,7 @@ from .config import PrefetchConfig
 from .events import EventMode, KVEventTracker
 from .keys import ChunkKey, KeyMaker
 from .memory import Arena
+from .policy import make_policy
 from .prefetch import Engine
 from .tiers.base import Tier
 from .tiers.cpu import CpuTier
@@ -65,7 +66,8 @@ async def open_engine(
         ValueError: a setting this machine cannot honour, naming it: ``rank`` out of range,
             ``cpu_bytes`` more than the machine's memory, ``disk_path`` not a writable
             directory, ``redis_url`` without the ``redis`` extra installed (or
-            ``mooncake_master`` without the ``mooncake`` extra).
+            ``mooncake_master`` without the ``mooncake`` extra), a ``load_policy`` class that
+            cannot be imported or built.
     """
     if not isinstance(config, PrefetchConfig):
         raise TypeError(f"config: expected PrefetchConfig, got {type(config).__name__}")
@@ -73,6 +75,7 @@ async def open_engine(
         raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
     _check_machine_memory(config.cpu_bytes)
     _check_extras(config)
+    policy = make_policy(config.load_policy)  # a custom policy is imported here
     try:
         arena = Arena(config.slot_bytes, config.arena_slots, backend=config.buffer_backend)
     except (MemoryError, OSError) as exc:
@@ -95,6 +98,7 @@ async def open_engine(
                     cpu=cpu,
                     tiers=tiers,
                     kv_events=tracker,
+                    policy=policy,
                 )
                 try:
                     yield engine

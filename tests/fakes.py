@@ -106,3 +106,27 @@ class FakeTier(BaseTier):
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
+
+
+class ThrottledTier(FakeTier):
+    """A :class:`FakeTier` behind a slow link: every call (probe or load) pays ``rtt_s``,
+    and payload bytes pass a token bucket of ``bytes_per_s`` shared by every load (loads
+    queue on the link).  Time is Trio's, so under ``autojump_clock`` it costs nothing."""
+
+    def __init__(self, name: str = "slow", *, bytes_per_s: float, rtt_s: float) -> None:
+        super().__init__(name)
+        self.bytes_per_s = bytes_per_s
+        self.rtt_s = rtt_s
+        self._link_free_at = 0.0
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        await trio.sleep(self.rtt_s)
+        return await super().contains_prefix(keys, pin=pin)
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        await trio.sleep(self.rtt_s)
+        n_bytes = sum(len(self.data.get(key, b"")) for key in keys)
+        start = max(trio.current_time(), self._link_free_at)
+        self._link_free_at = start + n_bytes / self.bytes_per_s
+        await trio.sleep_until(self._link_free_at)
+        return await super().load(keys, buffers)

@@ -73,7 +73,10 @@ def test_every_config_field_is_in_the_reference_with_type_default_unit_and_meani
     for f in fields:
         name, type_, default, allowed, unit, meaning = rows[f.name]
         assert f"`{f.name}`" in name and f"`LMPREFETCH_{f.name.upper()}`" in name
-        assert type_.strip("`") in ("int", "float", "bool", "str", "str | None"), (f.name, type_)
+        assert type_.strip("`") in ("int", "float", "bool", "str", "str | None", "float | None"), (
+            f.name,
+            type_,
+        )
         if f.default is None:
             assert default == "unset"
         elif isinstance(f.default, bool):
@@ -82,7 +85,7 @@ def test_every_config_field_is_in_the_reference_with_type_default_unit_and_meani
             assert default == f'`"{f.default}"`'
         else:
             assert default.startswith(f"`{f.default}`"), (f.name, default)
-        if type_ in ("`int`", "`float`"):
+        if type_ in ("`int`", "`float`", "`float | None`"):
             assert unit not in ("", "—"), f"{f.name}: a number without a unit"
             assert re.fullmatch(r">? ?[\d.]+( \w+)? … [\d.]+( \w+)?( \(\d+ days\))?", allowed), (
                 f.name,

@@ -126,6 +126,12 @@ async def test_every_counter_counts_each_event_exactly_once(
             "failed": 2,
             "malformed": 5,
             "deadline_expired": 2,
+            # Every lookup that found chunks loaded them all (the "always" policy): the
+            # 11 hits and the three disk hits whose loads failed.
+            "policy_loaded": 3 + 4 + 3 + 1 + 3,
+            "policy_truncated": 0,
+            "policy_skipped": 0,
+            "deadline_cut": 0,
             "inflight": 0,
             "held": 0,
         }

@@ -115,6 +115,8 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         "local": draw(st.integers(0, max(0, num_tokens - 1))) // 16 * 16,
         "stored": stored,
         "delays": draw(st.lists(st.integers(0, 3), max_size=5)),
+        # The request's max_load_tokens (None: no cap).
+        "max_tokens": draw(st.one_of(st.none(), st.integers(0, 24 * CS))),
     }
 
 
@@ -123,6 +125,8 @@ def best_boundary(s: dict[str, Any]) -> int:
     groups: KVGroups = s["groups"]
     chain: list[int] = s["chain"]
     cap = min((max(s["num_tokens"], 1) - 1) // CS, len(chain))
+    if s["max_tokens"] is not None:
+        cap = min(cap, (s["local"] + s["max_tokens"]) // CS)
     skip = min(s["local"] // CS, cap)
 
     def has(g: KVGroup, c: int) -> bool:
@@ -155,6 +159,7 @@ def test_the_hit_is_the_highest_boundary_every_group_serves(s: dict[str, Any]) -
         s["chain"],
         s["num_tokens"],
         s["local"],  # type: ignore[arg-type]
+        max_tokens=s["max_tokens"],
     )
     lookup.start()
     hit = lookup.poll()
@@ -164,6 +169,8 @@ def test_the_hit_is_the_highest_boundary_every_group_serves(s: dict[str, Any]) -
         hit = lookup.poll()
     assert hit is not None, "the hit never converged"
     assert hit == best_boundary(s) * CS
+    if s["max_tokens"] is not None:  # never loads past the request's cap
+        assert hit - s["local"] <= s["max_tokens"] or hit <= s["local"]
     # Only the lookups the load claims are still held, and after the load none is.
     assert client.live == {sub.lookup_id for sub in lookup.used}
     lookup.keep_used()

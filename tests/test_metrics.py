@@ -29,11 +29,20 @@ def zeros(cls: type[T]) -> T:
 def fake_statistics() -> WorkerStatistics:
     tiers = (
         ("cpu", replace(zeros(TierStatistics), bytes_loaded=100)),
-        ("disk", replace(zeros(TierStatistics), bytes_loaded=7)),
+        (
+            "disk",
+            replace(
+                zeros(TierStatistics),
+                bytes_loaded=7,
+                latency_s_ewma=0.02,
+                load_bytes_per_s_ewma=5e6,
+            ),
+        ),
     )
     engine = EngineStatistics(
         rank=3, world_size=4,
-        lookups=replace(zeros(LookupStatistics), inflight=2, hits=5, hit_tokens=40),
+        lookups=replace(zeros(LookupStatistics), inflight=2, hits=5, hit_tokens=40,
+                        policy_truncated=2, deadline_cut=1),
         store=zeros(StoreStatistics), limiter=zeros(LimiterStatistics),
         arena=zeros(ArenaStatistics), pinned_chunks=0, cpu_resident_bytes=0,
         cpu_resident_chunks=0, tiers=tiers, kv_events=None,
@@ -56,6 +65,14 @@ def test_every_sample_names_its_rank_and_world_size() -> None:
     assert 'lmprefetch_lookup_latency_seconds_count{rank="3",world_size="4"} 1.0' in samples
     assert 'lmprefetch_lookups_total{rank="3",result="hit",world_size="4"} 5.0' in samples
     assert 'lmprefetch_hit_tokens_total{rank="3",world_size="4"} 40.0' in samples
+    decision = 'lmprefetch_load_decisions_total{decision="%s",rank="3",world_size="4"} %s'
+    assert decision % ("truncated", "2.0") in samples
+    assert decision % ("deadline_cut", "1.0") in samples
+    assert 'lmprefetch_tier_latency_seconds{rank="3",tier="disk",world_size="4"} 0.02' in samples
+    assert (
+        'lmprefetch_tier_load_bytes_per_second{rank="3",tier="disk",world_size="4"} 5e+06'
+        in samples
+    )
     assert (
         'lmprefetch_messages_dropped_total{rank="3",reason="malformed",world_size="4"} 3.0'
         in samples

@@ -169,9 +169,16 @@ def test_byte_layout() -> None:
     ]
 
     resp = encode(LookupResponseMsg("r", 1))
-    assert resp[0] == 0x80 | 5
+    assert resp[0] == 0x80 | 6
     assert resp[1:6] == b"\xa4type"
-    assert _map_keys(resp) == ["type", "lookup_id", "num_hit_tokens", "seq", "worker_id"]
+    assert _map_keys(resp) == [
+        "type",
+        "lookup_id",
+        "num_hit_tokens",
+        "seq",
+        "worker_id",
+        "tier_tokens",
+    ]
 
     cleanup = encode(LookupCleanupMsg("r"))
     assert cleanup[0] == 0x80 | 3
@@ -290,3 +297,20 @@ def test_any_64bit_hash_survives(hashes: list[int]) -> None:
     out = decode_worker_message(encode(msg))
     assert isinstance(out, LookupRequestMsg)
     assert out.hashes == hashes
+
+
+def test_tier_tokens_travel_and_an_old_peer_reads_none() -> None:
+    """The answer's tier split (an optional extension) round-trips; an answer without it (an
+    LMCache worker, an older lmprefetch) decodes with ``None``; a negative count is refused."""
+    msg = LookupResponseMsg("r", 512, seq=1, worker_id=0, tier_tokens=[("cpu", 256), ("disk", 256)])
+    assert decode_response(encode(msg)) == msg
+    old = msgspec.msgpack.encode(
+        {"type": "LookupResponseMsg", "lookup_id": "r", "num_hit_tokens": 5, "seq": 1}
+    )
+    assert decode_response(old).tier_tokens is None
+    bad = msgspec.msgpack.encode(
+        {"type": "LookupResponseMsg", "lookup_id": "r", "num_hit_tokens": 5,
+         "tier_tokens": [["cpu", -1]]}
+    )  # fmt: skip
+    with pytest.raises(msgspec.ValidationError):
+        decode_response(bad)

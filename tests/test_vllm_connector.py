@@ -210,12 +210,23 @@ class Harness:
     def runtime(self) -> Any:
         return self.worker.worker_side.runtime
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, **kwargs: Any) -> Request:
-        """Add a request; ``kwargs`` go to vLLM's ``Request`` (``cache_salt``, ``lora_request``)."""
+    def add(
+        self,
+        req_id: str,
+        tokens: list[int],
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Request:
+        """Add a request; ``kwargs`` go to vLLM's ``Request`` (``cache_salt``, ``lora_request``);
+        ``kv_transfer_params`` travel as a client's do (the sampling params' ``extra_args``)."""
+        extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         request = Request(
             request_id=req_id,
             prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
+            ),
             pooling_params=None,
             block_hasher=get_request_block_hasher(BLOCK, sha256),
             **kwargs,
@@ -877,9 +888,7 @@ def test_kv_events_name_chunks_by_vllm_block_hashes_and_follow_evictions(
     stored = [e for e in events if isinstance(e, BlockStored)]
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert [e.block_hashes for e in stored] == [vllm_names(rb, c) for c in range(3)]
-    assert sorted(e.block_hashes for e in removed) == sorted(
-        [vllm_names(ra, 0), vllm_names(ra, 1)]
-    )
+    assert sorted(e.block_hashes for e in removed) == sorted([vllm_names(ra, 0), vllm_names(ra, 1)])
     assert all(e.medium == "CPU" for e in removed)
     # A repeat that hits stores nothing new: a load is not a store.
     h.add("b2", tokens_of(25, 100))
@@ -1060,3 +1069,150 @@ def test_stats_aggregate_and_rebuild() -> None:
     merged.reset()
     assert merged.is_empty()
     assert LMPrefetchConnector.build_kv_connector_stats(None).is_empty()
+
+
+# -- load or recompute (docs/policy.md) ---------------------------------------------------------
+def _stored(h: Any, seed: int, n: int = 100) -> list[int]:
+    """A prompt whose 3 whole chunks (96 tokens) lmprefetch holds, vLLM's cache wiped."""
+    prompt = tokens_of(seed, n)
+    h.add(f"warm-{seed}", prompt)
+    h.wait_answer(f"warm-{seed}")
+    h.run_until_finished(f"warm-{seed}")
+    h.wait_worker_quiet()
+    for t in h.caches.values():
+        t.zero_()
+    return prompt
+
+
+def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
+    make_harness: Any,
+) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    h = make_harness()
+    prompt = _stored(h, 40)
+    submitted = h.client.stats()["submitted"]
+    req = h.add("capped", prompt, kv_transfer_params={"max_load_tokens": 64})
+    # Only the chunks under the cap were looked up (and loaded) on the workers.
+    assert h.wait_answer("capped") == 64
+
+    def check(out: Any) -> None:
+        [load] = out.kv_connector_metadata.loads
+        assert (load.start_token, load.end_token) == (0, 64)
+        assert len(load.chunk_hashes) == 2
+        h.assert_loaded("capped", prompt, 0, 64)
+        sources = h.connector.get_external_cache_hit_sources(req, 64)
+        assert sources == {CacheHitSource.HOST: 64}  # served by the CPU tier
+
+    out = h.step(before_forward=check)
+    assert out.num_scheduled_tokens["capped"] == len(prompt) - 64
+    assert h.client.stats()["submitted"] == submitted + 1
+    # A cap inside a chunk: rounded down to vLLM's 16-token blocks (50 -> 48), the chunks
+    # under it looked up (2), and the hit cut to it.
+    h.add("odd", prompt, kv_transfer_params={"max_load_tokens": 50})
+
+    def check_odd(out: Any) -> None:
+        [load] = out.kv_connector_metadata.loads
+        assert (load.start_token, load.end_token) == (0, 48)
+        h.assert_loaded("odd", prompt, 0, 48)
+
+    h.wait_answer("odd")
+    h.step(before_forward=check_odd)
+    stats = h.wait_worker_quiet()
+    assert_worker_idle(stats)
+    assert h.stats.data["load_capped"] == 2
+    assert h.stats.data["load_cap_cut"] == 1  # "odd": 64 found, 48 loaded
+    assert h.stats.data["policy_loaded"] >= 2
+
+
+@pytest.mark.parametrize(
+    "params", [{"max_load_tokens": 0}, {"skip_load": True}], ids=["max_load_tokens-0", "skip"]
+)
+def test_a_request_can_ask_to_load_nothing(make_harness: Any, params: dict[str, Any]) -> None:
+    h = make_harness()
+    prompt = _stored(h, 41)
+    submitted = h.client.stats()["submitted"]
+    h.add("none", prompt, kv_transfer_params=params)
+    out = h.step()
+    assert out.num_scheduled_tokens["none"] == len(prompt)  # computed, not loaded
+    assert out.kv_connector_metadata.loads == []
+    assert h.client.stats()["submitted"] == submitted  # not even looked up
+    assert_worker_idle(h.wait_worker_quiet())
+    assert h.stats.data["load_skipped"] == 1
+
+
+def test_bad_load_params_are_ignored_with_a_warning(
+    make_harness: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = make_harness()
+    prompt = _stored(h, 42)
+    h.add("bad", prompt, kv_transfer_params={"max_load_tokens": "64", "skip_load": 1})
+    assert h.wait_answer("bad") == 96
+    assert "max_load_tokens must be an int >= 0" in caplog.text
+    assert "skip_load must be true or false" in caplog.text
+    h.run_until_finished("bad")
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
+    h = make_harness(extra={"load_policy": "never"})
+    prompt = tokens_of(43, 100)
+    for name in ("a", "b"):
+        h.add(name, prompt)
+        h.run_until_finished(name)
+    assert h.client.stats()["submitted"] == 0
+    stats = h.wait_worker_quiet()
+    # Saves go on; without lookups neither request knows the chunks are stored: both save.
+    assert stats["store"]["chunks_stored"] == 6
+    assert_worker_idle(stats)
+
+
+def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    extra = {"disk_path": str(tmp_path / "disk")}
+    prompt = tokens_of(44, 100)
+    before = make_harness(extra=extra)
+    before.add("a", prompt)
+    before.wait_answer("a")
+    before.run_until_finished("a")
+    before.runtime.call(before.runtime.engine.flush)  # on disk now
+    before.close()
+    after = make_harness(extra=extra)  # a new worker: its CPU tier is empty
+    req = after.add("b", prompt)
+    assert after.wait_answer("b") == 96
+
+    def check(out: Any) -> None:
+        assert after.connector.get_external_cache_hit_sources(req, 96) == {CacheHitSource.DISK: 96}
+
+    after.step(before_forward=check)
+    assert_worker_idle(after.wait_worker_quiet())
+
+
+def test_the_workers_calibrate_the_prefill_model_from_their_steps(make_harness: Any) -> None:
+    h = make_harness()
+    prefill = h.runtime.engine.prefill
+    assert prefill.samples == 0
+    h.add("a", tokens_of(45, 100), max_tokens=3)
+    h.wait_answer("a")
+    h.run_until_finished("a")
+    assert prefill.samples == 3  # the prefill step and two decode steps
+
+
+def test_connector_counters_reach_vllms_prometheus_hook() -> None:
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from types import SimpleNamespace
+
+    metrics = LMPrefetchConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    assert metrics is not None
+    metrics.observe({"policy_skipped": 2, "deadline_cut": 1, "hit_rate": 0.5}, 0)
+    got = REGISTRY.get_sample_value("vllm:lmprefetch_policy_skipped_total", {"engine": "0"})
+    assert got == 2
+    got = REGISTRY.get_sample_value("vllm:lmprefetch_deadline_cut_total", {"engine": "0"})
+    assert got == 1

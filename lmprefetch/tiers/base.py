@@ -33,6 +33,7 @@ import trio
 
 from ..keys import ChunkKey
 from ..memory import Buffer
+from ..policy import EWMA_ALPHA, TierCost
 
 __all__ = [
     "BaseTier",
@@ -59,6 +60,11 @@ class TierStatistics(msgspec.Struct, frozen=True, gc=False):
     errors: int
     load_seconds: float
     busy_seconds: float
+    #: Moving averages of one call's latency (a probe: no payload) and of load throughput
+    #: (payload bytes over a load's time past that latency); ``None`` until measured.  The
+    #: ``cost`` load policy reads them (:mod:`lmprefetch.policy`).
+    latency_s_ewma: float | None = None
+    load_bytes_per_s_ewma: float | None = None
 
 
 class TierStats:
@@ -76,6 +82,8 @@ class TierStats:
         "errors",
         "evictions",
         "hits",
+        "latency_s_ewma",
+        "load_bytes_per_s_ewma",
         "load_seconds",
         "probes",
         "writes_dropped",
@@ -97,6 +105,8 @@ class TierStats:
         self.busy_seconds = 0.0
         self._loads_active = 0
         self._busy_since = 0.0
+        self.latency_s_ewma: float | None = None
+        self.load_bytes_per_s_ewma: float | None = None
 
     def load_started(self, now: float) -> None:
         if self._loads_active == 0:
@@ -108,6 +118,21 @@ class TierStats:
         self.load_seconds += elapsed
         if self._loads_active == 0:
             self.busy_seconds += now - self._busy_since
+
+    def observe_probe(self, seconds: float) -> None:
+        """A probe (one call, no payload) took ``seconds``: the tier's per-call latency."""
+        self.latency_s_ewma = _ewma(self.latency_s_ewma, max(0.0, seconds))
+
+    def observe_load(self, n_bytes: int, seconds: float) -> None:
+        """A load moved ``n_bytes`` in ``seconds``; the time past the per-call latency is the
+        transfer (a load no slower than a probe tells nothing about throughput)."""
+        transfer = seconds - (self.latency_s_ewma or 0.0)
+        if n_bytes > 0 and transfer > 0:
+            self.load_bytes_per_s_ewma = _ewma(self.load_bytes_per_s_ewma, n_bytes / transfer)
+
+    def cost(self) -> TierCost:
+        """The tier's cost estimate for a load policy."""
+        return TierCost(self.latency_s_ewma, self.load_bytes_per_s_ewma)
 
     def statistics(self) -> TierStatistics:
         return TierStatistics(
@@ -122,10 +147,16 @@ class TierStats:
             errors=self.errors,
             load_seconds=self.load_seconds,
             busy_seconds=self.busy_seconds,
+            latency_s_ewma=self.latency_s_ewma,
+            load_bytes_per_s_ewma=self.load_bytes_per_s_ewma,
         )
 
     def as_dict(self) -> dict[str, float]:
         return msgspec.structs.asdict(self.statistics())
+
+
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else old + EWMA_ALPHA * (sample - old)
 
 
 @runtime_checkable

@@ -291,7 +291,7 @@ _REQUIRED = {
 }
 _OPTIONAL = {
     "LookupRequestMsg": ("request_configs", "seq", "deadline_ms", "skip_chunks"),
-    "LookupResponseMsg": ("seq", "worker_id"),
+    "LookupResponseMsg": ("seq", "worker_id", "tier_tokens"),
     "LookupCleanupMsg": ("seq",),
 }
 
@@ -403,6 +403,15 @@ valid_responses = st.builds(
     weighted((5, _u63), (1, edge_ints)),
     seq=weighted((5, _u63), (1, edge_ints)),
     worker_id=weighted((5, st.integers(-1, 2**31 - 1)), (1, edge_ints)),
+    tier_tokens=st.one_of(
+        st.none(),
+        st.lists(
+            st.tuples(
+                st.sampled_from(["cpu", "disk", "redis", ""]), weighted((5, _u63), (1, edge_ints))
+            ),
+            max_size=3,
+        ),
+    ),
 )
 
 

@@ -38,6 +38,16 @@ except ImportError:  # pragma: no cover - older vLLM
 
 log = logging.getLogger("lmprefetch.integration.vllm")
 
+#: vLLM's name for where each lmprefetch tier keeps chunks (``get_external_cache_hit_sources``):
+#: the CPU tier is host memory, the disk tier a disk; Redis, Mooncake and custom tiers are
+#: remote stores, which vLLM has no name for.  Tokens no split covers count as host memory.
+_TIER_SOURCES: dict[str, CacheHitSource] = {
+    "": CacheHitSource.HOST,
+    "cpu": CacheHitSource.HOST,
+    "disk": getattr(CacheHitSource, "DISK", CacheHitSource.HOST),
+}
+_REMOTE_SOURCE = getattr(CacheHitSource, "EXTERNAL_UNSPECIFIED", CacheHitSource.HOST)
+
 
 # -- the connector ------------------------------------------------------------------------------
 class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -112,6 +122,20 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The planned load's tokens by the tier that served them (so vLLM's prompt tokens
+        by source tell the CPU tier from disk and remote tiers); they sum to
+        ``num_external_tokens``."""
+        if num_external_tokens <= 0:
+            return {}
+        out: dict[CacheHitSource, int] = {}
+        for tier, n in self.scheduler_side.hit_sources(request, num_external_tokens).items():
+            source = _TIER_SOURCES.get(tier, _REMOTE_SOURCE)
+            out[source] = out.get(source, 0) + n
+        return out
 
     def build_connector_meta(self, scheduler_output: Any) -> LMPrefetchConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)
@@ -194,6 +218,20 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         cls, data: dict[str, Any] | None = None
     ) -> LMPrefetchConnectorStats:
         return LMPrefetchConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """vLLM's Prometheus hook: the connector's counters as ``vllm:lmprefetch_*``
+        counters on vLLM's own endpoint (``None`` on a vLLM without the hook's classes)."""
+        from .metadata import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

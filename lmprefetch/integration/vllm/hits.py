@@ -83,6 +83,8 @@ class HybridLookup:
         local_tokens: vLLM's own prefix-cache hit (block aligned); whole chunks of it are
             skipped.
         on_lookup: called once per lookup sent (a counter).
+        max_tokens: the request's cap on loaded tokens (``max_load_tokens``): the boundary
+            stays at or below ``local_tokens + max_tokens``.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class HybridLookup:
         num_tokens: int,
         local_tokens: int,
         on_lookup: Callable[[], None] | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.req_id = req_id
         self._client = client
@@ -112,6 +115,8 @@ class HybridLookup:
         self._on_lookup = on_lookup
         #: The highest boundary (in chunks) that leaves a token to compute.
         self.cap = min((max(num_tokens, 1) - 1) // chunk_size, len(self._chain))
+        if max_tokens is not None:  # the request's own cap on what is loaded
+            self.cap = min(self.cap, (local_tokens + max_tokens) // chunk_size)
         #: Chunks vLLM holds itself (not looked up).
         self.skip = min(local_tokens // chunk_size, self.cap)
         self._prefix: SubLookup | None = None
@@ -153,6 +158,24 @@ class HybridLookup:
             if answer is not None:
                 sub.answer = answer // self._cs
         return sub.answer
+
+    def sources(self, start: int, end: int) -> dict[str, int]:
+        """Tokens ``[start, end)`` of the hit by the tier that served their full-attention
+        chunks (the prefix lookup's split, while it is live; empty without one)."""
+        prefix = self._prefix
+        tiers = self._client.tier_tokens(prefix.lookup_id) if prefix is not None else []
+        if prefix is None or not tiers:
+            return {}
+        g = len(self._full)
+        out: dict[str, int] = {}
+        lo = prefix.skip * self._cs // g  # keys interleave the full groups
+        for tier, n in tiers:
+            hi = lo + n // g
+            got = min(hi, end) - max(lo, start)
+            if got > 0:
+                out[tier] = out.get(tier, 0) + got
+            lo = hi
+        return out
 
     def _make(self, suffix: str, entries: list[tuple[KVGroup, int]], skip: int) -> SubLookup:
         hashes = [group_hash(g.identity, self._chain[c]) for g, c in entries]

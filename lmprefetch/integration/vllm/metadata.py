@@ -120,6 +120,9 @@ class LMPrefetchConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveSpec] = field(default_factory=list)
     hybrid_loads: list[HybridLoadSpec] = field(default_factory=list)
     hybrid_saves: list[HybridSaveSpec] = field(default_factory=list)
+    #: Tokens the step computes (every request's scheduled tokens): with the step's time,
+    #: the workers calibrate the prefill cost the ``cost`` load policy uses.
+    scheduled_tokens: int = 0
 
 
 # -- KV events (workers → scheduler; pickled every step) ------------------------------------
@@ -170,6 +173,12 @@ class LMPrefetchConnectorStats(KVConnectorStats):  # type: ignore[misc]
     ``save_errors``.  Hybrid models count keys (one per group and chunk, or Mamba state) in
     ``loaded_chunks``, ``saved_chunks`` and ``save_chunks_planned``, and the lookups a request's
     hit is built from (:mod:`.hits`) in ``group_lookups``.
+
+    Load or recompute (``docs/policy.md``): the scheduler side counts ``load_skipped``
+    (requests with ``skip_load`` or ``max_load_tokens`` 0: not looked up), ``load_capped``
+    (requests with a ``max_load_tokens`` cap) and ``load_cap_cut`` (hits the cap shortened);
+    the workers count the load policy's decisions, ``policy_loaded``, ``policy_truncated``,
+    ``policy_skipped``, and ``deadline_cut`` (lookups whose loads the deadline cut).
     """
 
     def reset(self) -> None:
@@ -213,3 +222,59 @@ class _Counters:
         """Counts since start (not reset by :meth:`take`)."""
         with self._lock:
             return dict(self._totals)
+
+
+#: The counters :func:`build_prom_metrics` exports (``vllm:lmprefetch_<key>``), with their help.
+PROM_COUNTERS: dict[str, str] = {
+    "lookups": "Requests looked up in lmprefetch",
+    "lookup_hits": "Requests that loaded tokens from lmprefetch",
+    "hit_tokens": "Tokens loaded from lmprefetch instead of computed",
+    "load_skipped": "Requests that asked to load nothing (skip_load, max_load_tokens 0)",
+    "load_capped": "Requests with a max_load_tokens cap",
+    "load_cap_cut": "Hits shortened by a request's max_load_tokens",
+    "policy_loaded": "Lookups whose whole hit the load policy loaded",
+    "policy_truncated": "Lookups whose hit the load policy truncated",
+    "policy_skipped": "Lookups whose hit the load policy skipped (recomputed)",
+    "deadline_cut": "Lookups whose loads the load deadline cut short",
+    "loaded_chunks": "Chunks copied into vLLM's KV cache",
+    "loaded_bytes": "Bytes copied into vLLM's KV cache",
+    "load_failures": "Requests whose load came back short",
+    "saved_chunks": "Chunks saved to lmprefetch",
+    "saved_bytes": "Bytes saved to lmprefetch",
+}
+
+
+def build_prom_metrics(
+    vllm_config: Any,
+    metric_types: dict[Any, Any],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> Any:
+    """An instance of vLLM's ``KVConnectorPromMetrics`` exporting :data:`PROM_COUNTERS`, or
+    ``None`` where the installed vLLM lacks the classes."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+        from vllm.v1.metrics.utils import create_metric_per_engine
+    except ImportError:  # pragma: no cover - an older vLLM
+        return None
+
+    class LMPrefetchPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self.counters = {
+                key: create_metric_per_engine(
+                    self._counter_cls(
+                        name=f"vllm:lmprefetch_{key}", documentation=doc, labelnames=labelnames
+                    ),
+                    self.per_engine_labelvalues,
+                )
+                for key, doc in PROM_COUNTERS.items()
+            }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for key, value in transfer_stats_data.items():
+                per_engine = self.counters.get(key)
+                if per_engine is not None and value and engine_idx in per_engine:
+                    per_engine[engine_idx].inc(value)
+
+    return LMPrefetchPromMetrics()

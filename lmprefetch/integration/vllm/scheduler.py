@@ -45,6 +45,50 @@ _STALE_ANSWER_FRACTION = 0.5
 #: The scheduler side's clock (a module attribute so tests can move it).
 _now = time.monotonic
 
+#: ``kv_transfer_params`` keys a request (or a router) sets to cap or skip its load.
+MAX_LOAD_TOKENS = "max_load_tokens"
+SKIP_LOAD = "skip_load"
+
+
+def load_limits(request: Any) -> tuple[bool, int | None]:
+    """A request's own load limits from its ``kv_transfer_params``: ``skip_load`` (``true``:
+    load nothing) and ``max_load_tokens`` (vLLM's key: an int >= 0 caps the tokens loaded
+    beyond what vLLM computed or holds itself; 0 loads nothing).  A value of the wrong type
+    is ignored, with a warning."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return False, None
+    skip = params.get(SKIP_LOAD, False)
+    if type(skip) is not bool:
+        log.warning("request %s: %s must be true or false, got %r; ignoring it",
+                    getattr(request, "request_id", "?"), SKIP_LOAD, skip)  # fmt: skip
+        skip = False
+    raw = params.get(MAX_LOAD_TOKENS)
+    if raw is None:
+        return skip, None
+    if type(raw) is not int or raw < 0:
+        log.warning("request %s: %s must be an int >= 0, got %r; ignoring it",
+                    getattr(request, "request_id", "?"), MAX_LOAD_TOKENS, raw)  # fmt: skip
+        return skip, None
+    return skip, raw
+
+
+def split_sources(
+    tier_tokens: list[tuple[str, int]], first_token: int, start: int, end: int
+) -> dict[str, int]:
+    """Tokens ``[start, end)`` by the tier that served them, from a lookup's split
+    (``tier_tokens`` covers the tokens from ``first_token`` on, in order).  Tokens the split
+    does not cover are left out (the caller counts them as it must)."""
+    out: dict[str, int] = {}
+    lo = first_token
+    for tier, n in tier_tokens:
+        hi = lo + n
+        got = min(hi, end) - max(lo, start)
+        if got > 0:
+            out[tier] = out.get(tier, 0) + got
+        lo = hi
+    return out
+
 
 # -- scheduler side ---------------------------------------------------------------------------
 class _RequestState:
@@ -61,13 +105,16 @@ class _RequestState:
         "live",
         "loaded_to",
         "lookup_ok",
+        "max_load_tokens",
         "request",
         "result",
         "salt",
         "save_ok",
         "saved_tokens",
         "skip_tokens",
+        "sources",
         "started_at",
+        "tier_tokens",
     )
 
     def __init__(
@@ -100,6 +147,13 @@ class _RequestState:
         self.hybrid: HybridLookup | None = None
         #: Tokens loaded from lmprefetch (hybrid: Mamba states up to there are not saved again).
         self.loaded_to = 0
+        #: The request's cap on loaded tokens (``kv_transfer_params["max_load_tokens"]``,
+        #: rounded down to vLLM's blocks), or ``None``.
+        self.max_load_tokens: int | None = None
+        #: Which tiers served the answer (from ``skip_tokens`` on), and the planned load's
+        #: tokens by tier (for ``get_external_cache_hit_sources``).
+        self.tier_tokens: list[tuple[str, int]] = []
+        self.sources: dict[str, int] = {}
 
 
 class _SchedulerSide:
@@ -130,7 +184,8 @@ class _SchedulerSide:
         # A model with a KV cache group lmprefetch cannot restore is neither looked up nor
         # saved (the connector logged why when it was built).
         active = groups.unsupported is None
-        self._do_load = bool(ktc.is_kv_consumer) and active
+        # load_policy "never": recompute everything, look nothing up (workers hold nothing).
+        self._do_load = bool(ktc.is_kv_consumer) and active and config.load_policy != "never"
         self._do_save = bool(ktc.is_kv_producer) and active
         self._stale_after_s = config.claim_ttl_s * _STALE_ANSWER_FRACTION
         world_size = _world_size(vllm_config)
@@ -166,6 +221,18 @@ class _SchedulerSide:
         st = _RequestState(request, lookup_ok, save_ok, salt)
         self._reqs[request.request_id] = st
         if lookup_ok:
+            skip, cap = load_limits(request)
+            if cap is not None:
+                cap = cap // self._block_size * self._block_size  # vLLM's KV boundary
+                st.max_load_tokens = cap
+            if skip or cap == 0:
+                # The request (or its router) wants no load: nothing is looked up or held.
+                st.lookup_ok = False
+                self.counters.add("load_skipped")
+                return
+            if cap is not None:
+                self.counters.add("load_capped")
+        if st.lookup_ok:
             self._start_lookup(st, self._local_hit(request))
 
     def _eligibility(self, request: Any) -> tuple[bool, bool]:
@@ -209,6 +276,10 @@ class _SchedulerSide:
         if self._groups.hybrid:
             self._start_hybrid_lookup(st, local_tokens)
             return
+        if st.max_load_tokens is not None:
+            # Look up (and load, on the workers) only the chunks under the cap.
+            n_chunks = min(n_chunks, -(-(local_tokens + st.max_load_tokens) // cs))
+        st.tier_tokens = []
         if n_chunks == 0 or skip >= n_chunks * cs:
             # Nothing to look up past what vLLM holds: answer at once, no round trip.
             st.result = skip
@@ -224,8 +295,8 @@ class _SchedulerSide:
             req_id,
             tokens,
             skip_tokens=skip,
-            hashes=hashes,
-            offsets=self._hasher.offsets(n_tokens),
+            hashes=hashes[:n_chunks],
+            offsets=self._hasher.offsets(n_tokens)[:n_chunks],
         )
         if answer is not None:
             self._record_answer(st, answer)
@@ -245,6 +316,7 @@ class _SchedulerSide:
             n_tokens,
             local_tokens,
             on_lookup=lambda: self.counters.add("group_lookups"),
+            max_tokens=st.max_load_tokens,
         )
         self.counters.add("lookups")
         st.hybrid = lookup
@@ -255,6 +327,8 @@ class _SchedulerSide:
     def _record_answer(self, st: _RequestState, answer: int) -> None:
         st.result = answer
         st.held = answer > st.skip_tokens
+        if st.held:
+            st.tier_tokens = self._client.tier_tokens(st.request.request_id)
 
     def _poll(self, st: _RequestState) -> int | None:
         if st.hybrid is not None:
@@ -292,6 +366,9 @@ class _SchedulerSide:
         external = max(
             min(hit - num_computed_tokens, request.num_tokens - 1 - num_computed_tokens), 0
         )
+        if st.max_load_tokens is not None and external > st.max_load_tokens:
+            external = st.max_load_tokens  # hybrid lookups are capped at a chunk boundary
+            self.counters.add("load_cap_cut")
         # Hybrid loads are asynchronous: only then can a failed one be reported by request.
         return external, self._groups.hybrid and external > 0
 
@@ -354,6 +431,7 @@ class _SchedulerSide:
                 # Names for chunks the workers hold unannounced (from before a restart).
                 blocks=self._blocks_of(request, first_chunk, len(hashes[first_chunk:last_chunk])),
             )
+            st.sources = split_sources(st.tier_tokens, st.skip_tokens, start, end)
             # The workers keep the prefetch for the step's claim.
             self._client.forget(req_id)
             self.counters.add("lookup_hits")
@@ -391,6 +469,7 @@ class _SchedulerSide:
             lookup.cancel()
             claims = []
         else:
+            st.sources = lookup.sources(start, end)
             lookup.keep_used()
             st.loaded_to = end
             self.counters.add("lookup_hits")
@@ -437,6 +516,7 @@ class _SchedulerSide:
         meta = LMPrefetchConnectorMetadata(
             loads=list(self._pending_loads.values()),
             hybrid_loads=list(self._pending_hybrid_loads.values()),
+            scheduled_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
         )
         self._pending_loads.clear()
         self._pending_hybrid_loads.clear()
@@ -590,6 +670,19 @@ class _SchedulerSide:
         if events:
             self.counters.add("kv_events", len(events))
         return events
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """The tokens of the load just planned for ``request``, by the tier that served them
+        (tier names; what the split does not cover is under ``""``).  They sum to
+        ``num_external_tokens``."""
+        st = self._reqs.get(request.request_id)
+        sources = dict(st.sources) if st is not None else {}
+        known = sum(sources.values())
+        if known > num_external_tokens:  # never expected: trust the count vLLM has
+            return {"": num_external_tokens}
+        if known < num_external_tokens:
+            sources[""] = num_external_tokens - known
+        return {k: v for k, v in sources.items() if v > 0}
 
     def stats(self) -> LMPrefetchConnectorStats | None:
         return self.counters.take()

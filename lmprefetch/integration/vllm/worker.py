@@ -8,6 +8,7 @@ their block size); a hybrid load is all or nothing, and the rank reports the req
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,9 @@ class _WorkerSide:
         self._staging: torch.Tensor | None = None
         self._kv_events = kv_events_wanted(vllm_config, config)
         self.counters = _Counters()
+        self._step_began: float | None = None
+        #: The engine's policy counters as last reported (stats report the increase).
+        self._policy_seen: dict[str, int] = {}
 
     @property
     def runtime(self) -> WorkerRuntime | None:
@@ -198,6 +202,21 @@ class _WorkerSide:
             self._load(spec)
         for hybrid in meta.hybrid_loads:
             self._load_hybrid(hybrid)
+        # The forward runs from here to wait_for_save: the step's compute time.
+        self._step_began = time.perf_counter()
+
+    def _observe_step(self, meta: LMPrefetchConnectorMetadata) -> None:
+        """Feed the engine's prefill model (the ``cost`` load policy) with the step's tokens
+        and the time its forward took.  On a GPU the forward is asynchronous, so this is the
+        time until the save path first waits on it; on a CPU it is the forward itself."""
+        began, self._step_began = self._step_began, None
+        if began is None or self._runtime is None or meta.scheduled_tokens <= 0:
+            return
+        try:
+            engine = self._runtime.engine
+        except RuntimeError:  # the runtime failed (reported when it happened)
+            return
+        engine.prefill.observe_step(meta.scheduled_tokens, time.perf_counter() - began)
 
     def _load_hybrid(self, spec: HybridLoadSpec) -> None:
         """Load a hybrid request: every planned key, or none counts (all or nothing); the
@@ -333,6 +352,7 @@ class _WorkerSide:
 
     # -- saves ----------------------------------------------------------------------------
     def wait_for_save(self, meta: LMPrefetchConnectorMetadata) -> None:
+        self._observe_step(meta)
         for spec in meta.saves:
             self._save(spec)
         for hybrid in meta.hybrid_saves:
@@ -448,6 +468,16 @@ class _WorkerSide:
         return LMPrefetchKVEvents(self._rank, events) if events else None
 
     def stats(self) -> LMPrefetchConnectorStats | None:
+        if self._runtime is not None:
+            try:
+                decisions = self._runtime.engine.policy_counters()
+            except RuntimeError:  # the runtime failed (reported when it happened)
+                decisions = {}
+            for key, total in decisions.items():
+                delta = total - self._policy_seen.get(key, 0)
+                if delta > 0:
+                    self.counters.add(key, delta)
+                    self._policy_seen[key] = total
         return self.counters.take()
 
     def shutdown(self) -> None:

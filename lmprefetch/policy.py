@@ -1,0 +1,257 @@
+"""Load or recompute: how much of a cache hit a lookup loads.
+
+A hit is only a win when loading it is faster than computing it.  Once a lookup has probed its
+tiers it knows which tier holds each hit chunk; a :class:`LoadPolicy` then returns a
+**truncation point**: how many of the hit chunks (counted after the chunks the engine already
+holds) to load.  The chunks past it are released at once and recomputed by the engine.
+
+The engine asks the policy with a :class:`LoadRequest`: the hit split into :class:`HitPart`\\ s
+(one per tier, in prefix order, each with the tier's measured :class:`TierCost`), the tokens of
+each chunk, and the engine's :class:`PrefillModel` (seconds to compute a span of tokens).
+
+Policies (``PrefetchConfig.load_policy``):
+
+* ``"always"``: load the whole hit (:class:`AlwaysLoad`, the default);
+* ``"never"``: load nothing (:class:`NeverLoad`; the engine answers at once without probing);
+* ``"cost"``: load the prefix whose expected time to the first token is lowest
+  (:class:`CostPolicy`);
+* ``"package.module:Class"``: a class of your own, built with no arguments, with a
+  ``chunks_to_load(request) -> int`` method (see :class:`LoadPolicy` and ``docs/policy.md``).
+
+Cost model (:class:`CostPolicy`).  The tiers' loads run concurrently, so loading the first
+``k`` chunks takes ``max`` over the tiers with a chunk among them of ``latency + bytes /
+throughput`` (a zero-copy tier, the CPU tier, costs nothing).  Computing instead of loading
+them adds ``prefill(s, k)``, the prefill time of those tokens.  The policy takes the ``k``
+that minimises ``load(k) - prefill(s, k)`` (ties: the longer prefix), so a slow tier's chunks
+at the end of the prefix are the first to go.  Until the prefill model is calibrated (or
+``prefill_tokens_per_s`` configured) it loads everything, as ``"always"`` does; a tier not yet
+measured costs nothing, so its first loads measure it.
+
+Threads: :class:`PrefillModel` is fed from the model runner's thread and read on the engine's
+Trio thread (a lock guards it); everything else runs on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Final, Protocol, runtime_checkable
+
+import msgspec
+
+from .config import LOAD_POLICIES, _load_policy
+
+__all__ = [
+    "BUILTIN_POLICIES",
+    "AlwaysLoad",
+    "CostPolicy",
+    "HitPart",
+    "LoadPolicy",
+    "LoadRequest",
+    "NeverLoad",
+    "PrefillModel",
+    "TierCost",
+    "make_policy",
+]
+
+#: The policies ``load_policy`` names without a module.
+BUILTIN_POLICIES: Final = LOAD_POLICIES
+#: The weight of a new sample in every moving average here.
+EWMA_ALPHA: Final = 0.2
+#: Steps the prefill model needs before it is trusted.
+MIN_PREFILL_SAMPLES: Final = 3
+
+
+class TierCost(msgspec.Struct, frozen=True, gc=False):
+    """What one tier's loads have cost lately (moving averages; ``None``: not measured yet).
+
+    ``latency_s`` is the time of a call that moves no payload (a probe); ``bytes_per_s`` is
+    payload bytes over the rest of a load's time."""
+
+    latency_s: float | None = None
+    bytes_per_s: float | None = None
+
+    def seconds(self, n_bytes: int) -> float:
+        """Expected seconds of one load call of ``n_bytes`` (0 for what is not measured)."""
+        t = self.latency_s or 0.0
+        if self.bytes_per_s:
+            t += n_bytes / self.bytes_per_s
+        return t
+
+
+class HitPart(msgspec.Struct, frozen=True, gc=False):
+    """One tier's share of a hit: ``chunks`` chunks (``bytes`` payload bytes, estimated)
+    right after the previous part's.  ``zero_copy``: already in memory (the CPU tier)."""
+
+    tier: str
+    chunks: int
+    bytes: int
+    zero_copy: bool
+    cost: TierCost
+
+
+class LoadRequest(msgspec.Struct, frozen=True, gc=False):
+    """What a policy decides on.
+
+    Attributes:
+        parts: the hit, tier by tier, in prefix order (only tiers with hit chunks).
+        chunk_tokens: tokens of each hit chunk, in order (``len`` = the parts' chunks).
+        computed_tokens: tokens before the hit (the chunks the engine holds already).
+        prompt_tokens: tokens in the looked-up prompt.
+        prefill: the engine's prefill cost model.
+    """
+
+    parts: tuple[HitPart, ...]
+    chunk_tokens: tuple[int, ...]
+    computed_tokens: int
+    prompt_tokens: int
+    prefill: PrefillModel
+
+    @property
+    def hit_chunks(self) -> int:
+        return len(self.chunk_tokens)
+
+
+@runtime_checkable
+class LoadPolicy(Protocol):
+    """A load-or-recompute policy: how many of the hit chunks to load.
+
+    ``chunks_to_load`` runs on the engine's Trio thread once per lookup that found a hit on a
+    tier that needs a load, so it must be quick and must not block.  It returns a number from
+    0 (recompute everything) to ``request.hit_chunks`` (load the whole hit); the engine clamps
+    anything else into that range.  An exception is logged and the whole hit is loaded."""
+
+    def chunks_to_load(self, request: LoadRequest) -> int: ...
+
+
+class AlwaysLoad:
+    """Load every hit chunk."""
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        return request.hit_chunks
+
+
+class NeverLoad:
+    """Load nothing: recompute."""
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        return 0
+
+
+class CostPolicy:
+    """The prefix with the lowest expected time to first token (see the module docstring)."""
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        prefill = request.prefill
+        n = request.hit_chunks
+        if n == 0 or not prefill.calibrated():
+            return n
+        best_k, best = 0, 0.0  # load nothing: cost 0 relative to recomputing all
+        part_load: dict[int, float] = {}  # part index -> its load time for the chunks taken
+        k = 0
+        start = request.computed_tokens
+        end = start
+        for i, part in enumerate(request.parts):
+            per_chunk = part.bytes / part.chunks if part.chunks else 0.0
+            for j in range(1, part.chunks + 1):
+                end += request.chunk_tokens[k]
+                k += 1
+                if not part.zero_copy:
+                    part_load[i] = part.cost.seconds(int(per_chunk * j))
+                load = max(part_load.values(), default=0.0)
+                gain = load - prefill.seconds(start, end)
+                if gain <= best:
+                    best_k, best = k, gain
+        return best_k
+
+
+class PrefillModel:
+    """Seconds the engine takes to compute tokens, measured from its steps.
+
+    Each step's time is fitted as ``overhead + tokens / tokens_per_s`` (moving least squares
+    over the recent steps); computing a span of tokens costs ``span / tokens_per_s``.  Until
+    :data:`MIN_PREFILL_SAMPLES` steps with different token counts were seen, ``configured``
+    tokens per second is used, or the model is not calibrated (``None``).
+
+    Attention's quadratic term is left out: at the prompt lengths a CPU engine serves it is a
+    small share of a step, and a fit with it needs steps of widely varying context to tell it
+    from the linear term (see ``docs/policy.md``).
+    """
+
+    def __init__(self, configured_tokens_per_s: float | None = None) -> None:
+        self.configured_tokens_per_s = configured_tokens_per_s
+        self._lock = threading.Lock()
+        self._samples = 0
+        # Moving averages of x (tokens), y (seconds), x², x·y.
+        self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """One engine step computed ``tokens`` tokens in ``seconds``."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        x, y = float(tokens), float(seconds)
+        with self._lock:
+            a = 1.0 if self._samples == 0 else EWMA_ALPHA
+            self._x += a * (x - self._x)
+            self._y += a * (y - self._y)
+            self._xx += a * (x * x - self._xx)
+            self._xy += a * (x * y - self._xy)
+            self._samples += 1
+
+    @property
+    def samples(self) -> int:
+        """Steps observed so far."""
+        return self._samples
+
+    def tokens_per_s(self) -> float | None:
+        """The measured rate (the configured one until measured), or ``None``."""
+        with self._lock:
+            if self._samples >= MIN_PREFILL_SAMPLES:
+                var = self._xx - self._x * self._x
+                if var > 1e-9 * max(self._xx, 1.0):
+                    slope = (self._xy - self._x * self._y) / var
+                    if slope > 0:
+                        return 1.0 / slope
+        return self.configured_tokens_per_s
+
+    def calibrated(self) -> bool:
+        return self.tokens_per_s() is not None
+
+    def seconds(self, start: int, end: int) -> float:
+        """Expected seconds to compute tokens ``[start, end)`` (0 when not calibrated)."""
+        rate = self.tokens_per_s()
+        return 0.0 if rate is None else max(0, end - start) / rate
+
+
+def make_policy(name: str) -> LoadPolicy:
+    """The policy ``load_policy`` names, built.
+
+    Raises:
+        ValueError: the name is malformed, its module cannot be imported, it names no class,
+            or the class's instances lack ``chunks_to_load``; the message starts with
+            ``load_policy``.
+    """
+    problem = _load_policy(name)
+    if problem is not None:
+        raise ValueError(f"load_policy: {problem}")
+    if name == "always":
+        return AlwaysLoad()
+    if name == "never":
+        return NeverLoad()
+    if name == "cost":
+        return CostPolicy()
+    module_name, _, class_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"load_policy: cannot import {module_name!r}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"load_policy: {module_name!r} has no class {class_name!r}")
+    try:
+        policy = cls()
+    except Exception as exc:
+        raise ValueError(f"load_policy: {name} could not be built: {exc!r}") from None
+    if not callable(getattr(policy, "chunks_to_load", None)):
+        raise ValueError(f"load_policy: {name} has no chunks_to_load(request) method")
+    return policy  # type: ignore[no-any-return]

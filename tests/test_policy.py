@@ -1,0 +1,316 @@
+"""Load or recompute (lmprefetch.policy): the cost model, the built-in and custom policies in
+the engine, the load deadline, and the tiers that served a hit.
+
+The slow tier is a token bucket (5 MB/s plus 20 ms per call) on Trio's clock, so every test
+here runs on ``autojump_clock``: deterministic and instant.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+import trio
+
+from lmprefetch import PrefetchConfig, open_engine
+from lmprefetch.policy import (
+    AlwaysLoad,
+    CostPolicy,
+    HitPart,
+    LoadRequest,
+    NeverLoad,
+    PrefillModel,
+    TierCost,
+    make_policy,
+)
+
+from .fakes import ThrottledTier
+from .helpers import assert_conserved, engine_with, put_in
+
+CS = 64  # tokens per chunk
+PAYLOAD = 64 * 1024  # bytes per chunk
+MB = 1_000_000
+
+
+def _config(**changes: object) -> PrefetchConfig:
+    base = PrefetchConfig(
+        chunk_size=CS,
+        chunk_bytes=PAYLOAD,
+        cpu_bytes=PAYLOAD * 64,
+        arena_prefault_bytes=0,
+        lookup_timeout_s=30.0,
+        tier_timeout_s=10.0,
+    )
+    return base.replace(**changes)
+
+
+def _prompt(n_chunks: int, salt: int) -> list[int]:
+    return [salt * 1_000_000 + i for i in range(n_chunks * CS)]
+
+
+def _data(n_chunks: int, salt: int) -> list[bytes]:
+    return [bytes([(salt + i) % 251]) * PAYLOAD for i in range(n_chunks)]
+
+
+def _slow() -> ThrottledTier:
+    return ThrottledTier("slow", bytes_per_s=5 * MB, rtt_s=0.020)
+
+
+class HalfPolicy:
+    """A custom policy (named ``tests.test_policy:HalfPolicy``): half the hit, rounded down."""
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        return request.hit_chunks // 2
+
+
+# -- the model, without an engine ---------------------------------------------------------------
+def _request(parts: list[HitPart], tokens_per_s: float | None) -> LoadRequest:
+    n = sum(p.chunks for p in parts)
+    return LoadRequest(
+        parts=tuple(parts),
+        chunk_tokens=(CS,) * n,
+        computed_tokens=0,
+        prompt_tokens=(n + 1) * CS,
+        prefill=PrefillModel(tokens_per_s),
+    )
+
+
+SLOW = TierCost(latency_s=0.020, bytes_per_s=5 * MB)
+FAST = TierCost(latency_s=0.0001, bytes_per_s=10_000 * MB)
+
+
+def test_cost_policy_drops_the_slow_tiers_chunks_at_the_end() -> None:
+    cpu = HitPart("cpu", 4, 4 * PAYLOAD, True, TierCost())
+    slow = HitPart("slow", 4, 4 * PAYLOAD, False, SLOW)
+    # 4 chunks from the slow tier: 20 ms + 262 KB / 5 MB/s = 72 ms; recomputing 256 tokens
+    # at 10,000 tokens/s: 26 ms.  Keep the CPU chunks, drop the slow ones.
+    assert CostPolicy().chunks_to_load(_request([cpu, slow], 10_000)) == 4
+    # At 1,000 tokens/s recomputing them takes 256 ms: load everything.
+    assert CostPolicy().chunks_to_load(_request([cpu, slow], 1_000)) == 8
+    # A fast tier is always worth it.
+    fast = HitPart("disk", 4, 4 * PAYLOAD, False, FAST)
+    assert CostPolicy().chunks_to_load(_request([cpu, fast], 10_000)) == 8
+    # Only a slow tier: nothing.
+    assert CostPolicy().chunks_to_load(_request([slow], 10_000)) == 0
+
+
+def test_cost_policy_loads_everything_until_it_knows_the_prefill_cost() -> None:
+    slow = HitPart("slow", 4, 4 * PAYLOAD, False, SLOW)
+    assert CostPolicy().chunks_to_load(_request([slow], None)) == 4
+
+
+def test_cost_policy_counts_concurrent_tiers_once() -> None:
+    # Two tiers load side by side: the prefix costs the slower one, not the sum.
+    a = HitPart("a", 2, 2 * PAYLOAD, False, TierCost(0.010, 100 * MB))
+    b = HitPart("b", 2, 2 * PAYLOAD, False, TierCost(0.010, 100 * MB))
+    # Each part: 10 ms + 1.3 ms; 4 chunks (256 tokens) at 20,000 tokens/s: 12.8 ms.
+    assert CostPolicy().chunks_to_load(_request([a, b], 20_000)) == 4
+
+
+def test_prefill_model_fits_the_rate_beside_a_fixed_step_overhead() -> None:
+    model = PrefillModel()
+    assert not model.calibrated()
+    for tokens in (16, 512, 64, 1024, 256, 128, 2048):
+        model.observe_step(tokens, 0.005 + tokens / 4000)
+    rate = model.tokens_per_s()
+    assert rate is not None and rate == pytest.approx(4000, rel=1e-6)
+    assert model.seconds(0, 400) == pytest.approx(0.1, rel=1e-6)
+
+
+def test_prefill_model_uses_the_configured_rate_until_measured() -> None:
+    model = PrefillModel(2000.0)
+    assert model.tokens_per_s() == 2000.0
+    model.observe_step(100, 1.0)  # one sample (and the same token count) tells no rate
+    model.observe_step(100, 1.0)
+    model.observe_step(100, 1.0)
+    assert model.tokens_per_s() == 2000.0
+
+
+def test_make_policy_names_load_policy_in_every_error() -> None:
+    assert isinstance(make_policy("always"), AlwaysLoad)
+    assert isinstance(make_policy("never"), NeverLoad)
+    assert isinstance(make_policy("tests.test_policy:HalfPolicy"), HalfPolicy)
+    for bad in ("sometimes", "no_such_module_x:P", "tests.test_policy:Nope", "lmprefetch:__name__"):
+        with pytest.raises(ValueError, match="^load_policy: "):
+            make_policy(bad)
+    with pytest.raises(ValueError, match="^load_policy: "):
+        PrefetchConfig(load_policy="cost!")
+    with pytest.raises(ValueError, match="^load_policy: "):
+        PrefetchConfig.from_dict({"load_policy": "a:b:c"})
+
+
+async def test_an_engine_with_a_bad_custom_policy_does_not_open() -> None:
+    with pytest.raises(ValueError, match="^load_policy: "):
+        async with open_engine(_config(load_policy="tests.test_policy:Missing")):
+            pass  # pragma: no cover
+
+
+# -- in the engine -------------------------------------------------------------------------------
+async def test_a_slow_tier_is_measured_then_skipped(autojump_clock: trio.abc.Clock) -> None:
+    slow = _slow()
+    async with engine_with(_config(load_policy="cost", prefill_tokens_per_s=10_000), slow) as eng:
+        first = await put_in(slow, eng, _prompt(8, 1), _data(8, 1))
+        second = await put_in(slow, eng, _prompt(8, 2), _data(8, 2))
+        # Not yet measured: the slow tier costs nothing, so the first lookup loads it all.
+        assert await eng.lookup_and_prefetch("a", first, [CS] * 8) == 8 * CS
+        eng.cancel("a")
+        tier = eng.stats()["tiers"]["slow"]
+        assert tier["latency_s_ewma"] == pytest.approx(0.020, rel=1e-3)
+        assert tier["load_bytes_per_s_ewma"] == pytest.approx(5 * MB, rel=1e-3)
+        # Now it is: 8 chunks take 125 ms to load and 51 ms to compute.  Skip them.
+        loads = slow.loads_started
+        assert await eng.lookup_and_prefetch("b", second, [CS] * 8) == 0
+        assert slow.loads_started == loads  # nothing was read
+        lookups = eng.stats()["lookups"]
+        assert (lookups["policy_loaded"], lookups["policy_skipped"]) == (1, 1)
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_cpu_hit_is_loaded_and_a_slow_tail_truncated(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = _slow()
+    config = _config(load_policy="cost", prefill_tokens_per_s=10_000)
+    async with engine_with(config, slow) as eng:
+        warm = await put_in(slow, eng, _prompt(4, 9), _data(4, 9))
+        assert await eng.lookup_and_prefetch("warm", warm, [CS] * 4) == 4 * CS  # measures it
+        eng.cancel("warm")
+        prompt, data = _prompt(8, 3), _data(8, 3)
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.store(prompt[: 4 * CS], data[:4]) == 4  # the CPU tier: chunks 0-3
+        for key, payload in zip(eng.keys.keys(hashes)[4:], data[4:]):
+            slow.data[key] = payload  # the slow tier: chunks 4-7
+        # The whole prompt on the CPU tier: a full hit, answered from memory.
+        assert await eng.store(_prompt(4, 5), _data(4, 5)) == 4
+        full = eng.hasher.hash(_prompt(4, 5))
+        assert await eng.lookup_and_prefetch("cpu", full, [CS] * 4) == 4 * CS
+        assert eng.lookup_tier_tokens("cpu") == (("cpu", 4 * CS),)
+        eng.cancel("cpu")
+        # CPU chunks then slow ones: the slow tail goes.
+        loads = slow.loads_started
+        assert await eng.lookup_and_prefetch("mixed", hashes, [CS] * 8) == 4 * CS
+        assert eng.lookup_tier_tokens("mixed") == (("cpu", 4 * CS),)
+        assert slow.loads_started == loads
+        with eng.claim("mixed") as got:
+            assert [bytes(b.view()) for _, b in got] == data[:4]
+        lookups = eng.stats()["lookups"]
+        assert lookups["policy_truncated"] == 1
+        assert lookups["policy_loaded"] == 2
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_never_answers_the_skipped_prefix_without_probing(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = _slow()
+    async with engine_with(_config(load_policy="never"), slow) as eng:
+        hashes = await put_in(slow, eng, _prompt(4, 1), _data(4, 1))
+        assert await eng.store(_prompt(4, 1), _data(4, 1)) == 4
+        assert await eng.lookup_and_prefetch("n", hashes, [CS] * 4) == 0
+        assert await eng.lookup_and_prefetch("m", hashes, [CS] * 4, skip_chunks=1) == CS
+        assert slow.keys_probed == 0
+        assert eng.stats()["lookups"]["policy_skipped"] == 2
+        assert eng.stats()["held_lookups"] == 0
+        assert_conserved(eng)
+
+
+async def test_a_custom_policy_decides(autojump_clock: trio.abc.Clock) -> None:
+    slow = _slow()
+    async with engine_with(_config(load_policy="tests.test_policy:HalfPolicy"), slow) as eng:
+        hashes = await put_in(slow, eng, _prompt(6, 1), _data(6, 1))
+        assert await eng.lookup_and_prefetch("h", hashes, [CS] * 6) == 3 * CS
+        assert eng.lookup_tier_tokens("h") == (("slow", 3 * CS),)
+        with eng.claim("h") as got:
+            assert len(got) == 3
+        assert eng.stats()["lookups"]["policy_truncated"] == 1
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc.Clock) -> None:
+    class Broken:
+        def chunks_to_load(self, request: LoadRequest) -> int:
+            raise RuntimeError("the policy is broken")
+
+    slow = _slow()
+    async with engine_with(_config(), slow) as eng:
+        eng.policy = Broken()
+        hashes = await put_in(slow, eng, _prompt(3, 1), _data(3, 1))
+        assert await eng.lookup_and_prefetch("b", hashes, [CS] * 3) == 3 * CS
+        eng.cancel("b")
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = _slow()
+    async with engine_with(_config(load_deadline_s=0.050), slow) as eng:
+        prompt, data = _prompt(8, 6), _data(8, 6)
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
+        for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
+            slow.data[key] = payload
+        # The slow part (6 chunks: 20 + 20 + 79 ms) cannot finish in 50 ms: the CPU prefix
+        # is the answer, the slow load is cancelled and everything it took released.
+        t0 = trio.current_time()
+        assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 2 * CS
+        assert trio.current_time() - t0 == pytest.approx(0.050)
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.stats()["pinned_chunks"] == 0
+        assert eng.stats()["limiter_used"] == 0
+        with eng.claim("d") as got:
+            assert [bytes(b.view()) for _, b in got] == data[:2]
+        await eng.wait_quiet()
+        assert_conserved(eng)
+        # Without a deadline the same lookup loads it all.
+    async with engine_with(_config(), _slow()) as eng:
+        slow2 = eng.tiers[-1]
+        assert isinstance(slow2, ThrottledTier)
+        hashes = await put_in(slow2, eng, _prompt(8, 6), _data(8, 6))
+        assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 8 * CS
+        assert eng.stats()["lookups"]["deadline_cut"] == 0
+        eng.cancel("d")
+
+
+def test_the_tier_split_travels_from_worker_to_client() -> None:
+    """A worker's answer says which tiers served the hit; the client hands it to the
+    scheduler (``LookupClient.tier_tokens``), for vLLM's hit counts by source."""
+    from lmprefetch import LookupClient, WorkerRuntime
+
+    tag = uuid.uuid4().hex[:10]
+    req, resp = f"ipc://@lmp-policy-{tag}-w0", f"ipc://@lmp-policy-{tag}-s"
+    config = PrefetchConfig(chunk_size=4, chunk_bytes=64, cpu_bytes=64 * 32, lookup_timeout_s=10.0)
+    prompt = list(range(12))
+    with (
+        WorkerRuntime.start(config, request_endpoint=req, response_endpoint=resp) as worker,
+        LookupClient(config, [req], resp) as client,
+    ):
+        assert worker.store(prompt, [b"a" * 16, b"b" * 16]) == 2
+        assert client.lookup("x", prompt, skip_tokens=4) is None
+        assert client.wait("x", 10.0) == 8
+        assert client.tier_tokens("x") == [("cpu", 4)]  # past the skipped chunk
+        assert client.lookup("miss", list(range(100, 112))) is None
+        assert client.wait("miss", 10.0) == 0
+        assert client.tier_tokens("miss") == []
+        client.cancel("x")
+
+
+def test_the_custom_policy_in_the_docs_works() -> None:
+    """docs/policy.md's example policy, run as written."""
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "policy.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", page, re.S)
+    namespace: dict[str, object] = {}
+    exec(compile(code, "docs/policy.md", "exec"), namespace)
+    policy = namespace["LocalOnly"]()  # type: ignore[operator]
+    cpu = HitPart("cpu", 2, 2 * PAYLOAD, True, TierCost())
+    disk = HitPart("disk", 3, 3 * PAYLOAD, False, FAST)
+    redis = HitPart("redis", 4, 4 * PAYLOAD, False, SLOW)
+    assert policy.chunks_to_load(_request([cpu, disk, redis], None)) == 5
+    assert policy.chunks_to_load(_request([redis, cpu], None)) == 0
