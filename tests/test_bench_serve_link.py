@@ -301,7 +301,11 @@ def _link_result(p50_ms: dict[str, float]) -> dict[str, Any]:
             prompt_tokens=6240,
             cached_tokens=6144 if loads else 0,
             elapsed_s=3.0,
-            metrics={"external_kv_transfer": 6144.0 if loads else 0.0},
+            metrics={
+                "external_kv_transfer": 6144.0 if loads else 0.0,
+                "lmprefetch_policy_loaded": 3.0 if loads else 0.0,
+                "lmprefetch_policy_skipped": 0.0 if loads else 3.0,
+            },
         )
         slow = name.startswith("slow")
         raw[name] = {
@@ -356,6 +360,8 @@ def test_link_figures_and_goals_from_the_same_run() -> None:
     assert text.count("[MISSED]") == 1 and "Redis link scenarios" in text
     assert "(PING 41 ms, GET of a 1024 KiB chunk 150 ms)" in text
     assert "Multi-round chat" not in text  # no scenario of this run has one
+    assert doc["scenarios"]["slow_remote_recompute"]["metrics"]["lmprefetch_policy_skipped"] == 3
+    assert "3/0/0" in text and "0/0/3" in text  # the policy's decisions: load/cut/skip
 
 
 def test_a_link_goal_without_all_its_peers_is_not_measured() -> None:
@@ -374,3 +380,26 @@ def test_without_link_scenarios_no_link_goal_lines() -> None:
     result = _link_result({})
     keys = {g["key"] for g in summarize(result)["goals"]}
     assert keys == {"long_doc_p50_vs_apc", "cpu_hit_vs_apc_hit", "disk_hit_vs_apc_hit"}
+
+
+async def test_scraped_metrics_carry_lmprefetchs_connector_counters() -> None:
+    """The policy's decisions reach the figures: ``vllm:lmprefetch_<key>_total`` counters on
+    vLLM's /metrics become ``lmprefetch_<key>`` (summed over engines)."""
+    httpx = pytest.importorskip("httpx")
+    from lmprefetch.bench.serve.client import scrape_metrics
+
+    text = textwrap.dedent(
+        """\
+        # TYPE vllm:lmprefetch_policy_skipped counter
+        vllm:lmprefetch_policy_skipped_total{engine="0",model_name="bench"} 4.0
+        vllm:lmprefetch_policy_skipped_total{engine="1",model_name="bench"} 1.0
+        vllm:lmprefetch_policy_skipped_created{engine="0",model_name="bench"} 1.7e9
+        # TYPE vllm:prompt_tokens counter
+        vllm:prompt_tokens_total{engine="0",model_name="bench"} 2080.0
+        """
+    )
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=text))
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        out = await scrape_metrics(client)
+    assert out["lmprefetch_policy_skipped"] == 5.0 and out["prompt_tokens"] == 2080.0
+    assert not any(k.endswith("_created") for k in out)

@@ -130,8 +130,9 @@ TIMINGS = {
 
 async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, float]:
     """vLLM's prompt-token counters by source (see :data:`METRIC_SOURCES`), ``prompt_tokens``,
-    and for each of :data:`TIMINGS` ``<name>_s_sum`` and ``<name>_count``; summed over
-    engines."""
+    for each of :data:`TIMINGS` ``<name>_s_sum`` and ``<name>_count``, and lmprefetch's
+    connector counters where vLLM exports them (``vllm:lmprefetch_<key>``, as
+    ``lmprefetch_<key>``); summed over engines."""
     response = await client.get("/metrics")
     response.raise_for_status()
     out = dict.fromkeys((*METRIC_SOURCES, "prompt_tokens"), 0.0)
@@ -145,6 +146,10 @@ async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, float]:
                     out[source] += sample.value
             elif sample.name == "vllm:prompt_tokens_total":
                 out["prompt_tokens"] += sample.value
+            elif sample.name.startswith("vllm:lmprefetch_") and sample.name.endswith("_total"):
+                # lmprefetch's connector counters (vLLM's Prometheus hook), as lmprefetch_<key>.
+                key = sample.name[len("vllm:") : -len("_total")]
+                out[key] = out.get(key, 0.0) + sample.value
             elif sample.name.endswith(("_sum", "_count")):
                 base, _, kind = sample.name.rpartition("_")
                 short = TIMINGS.get(base)

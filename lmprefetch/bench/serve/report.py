@@ -297,6 +297,15 @@ def _workload_table(summary: dict[str, Any], workload: str) -> list[str]:
     return lines
 
 
+def _policy_counts(metrics: dict[str, int]) -> str:
+    """The load policy's decisions (lookups it loaded whole, truncated, skipped), from the
+    connector's counters on vLLM's /metrics ("-" where vLLM does not export them)."""
+    keys = ("policy_loaded", "policy_truncated", "policy_skipped")
+    if not any(f"lmprefetch_{k}" in metrics for k in keys):
+        return "-"
+    return "/".join(str(metrics.get(f"lmprefetch_{k}", 0)) for k in keys)
+
+
 def _link_measured(link: dict[str, Any]) -> str:
     m = link.get("measured")
     if not m:
@@ -389,15 +398,15 @@ def format_report(summary: dict[str, Any]) -> str:
             "Redis sent / hit bytes: what Redis sent over the measured rounds / the KV bytes of "
             "the tokens vLLM counted as loaded by the connector (about 1: every hit from Redis).",
             f"  {'scenario':<25}{'policy':>8}{'requests':>9}{'TTFT p50':>10}{'hit tokens':>12}"
-            f"{'Redis sent':>12}{'/ hit bytes':>13}  link",
+            f"{'Redis sent':>12}{'/ hit bytes':>13}{'policy: load/cut/skip':>23}  link",
         ]
         for name, e in links:
             lines.append(
                 f"  {name:<25}{e['load_policy']:>8}{e['requests']:>9}{_ms(e['ttft_p50_ms']):>10}"
                 f"{e['metrics'].get('external_kv_transfer', 0):>12,}"
                 f"{e['redis_sent_bytes'] / (1 << 20):>8,.1f} MiB"
-                f"{_x(e['redis_sent_vs_hit_bytes']):>13}  {e['link']['mechanism']}"
-                + _link_measured(e["link"])
+                f"{_x(e['redis_sent_vs_hit_bytes']):>13}{_policy_counts(e['metrics']):>23}"
+                f"  {e['link']['mechanism']}" + _link_measured(e["link"])
             )
     lines += ["", "Goals (benchmark figures, not tests):"]
     for g in summary["goals"]:
