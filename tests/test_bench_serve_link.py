@@ -236,6 +236,25 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--quick"],
+        ["--scenarios", "slow_remote_cost,recompute", "--json", "out.json", "--no-progress"],
+        ["--slow-link-rate", "2.5", "--slow-link-delay-ms", "35", "--rounds", "3", "--seed", "7"],
+    ],
+)
+def test_the_command_line_is_rebuilt_from_the_options_not_sys_argv(argv: list[str]) -> None:
+    """What bench-serve runs again in its own network namespace: the same options."""
+    from lmprefetch.bench.serve import command_line
+
+    args = cli.build_parser().parse_args(["bench-serve", *argv])
+    again = cli.build_parser().parse_args(command_line(args))
+    assert {k: v for k, v in vars(again).items() if k != "func"} == {
+        k: v for k, v in vars(args).items() if k != "func"
+    }
+
+
 def test_scenarios_and_the_slow_link_from_the_command_line() -> None:
     opts = options_from_args(_args("--quick"))
     assert opts.scenarios == DEFAULT_SCENARIOS

@@ -168,7 +168,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"lmprefetch bench-serve: {problem}", file=sys.stderr)
         return 2
     if _needs_private_netns(opts):
-        _enter_private_netns()  # returns only where it cannot (the scenarios then say why)
+        _enter_private_netns(args)  # returns only where it cannot (the scenarios then say why)
     # Only now: these need the vllm extra (httpx among it), which preflight checked.
     import trio
 
@@ -198,14 +198,32 @@ def _needs_private_netns(opts: ServeBenchOptions) -> bool:
     return any(n in opts.scenarios for n in slow) and not loopback_only()
 
 
-def _enter_private_netns() -> None:
+def command_line(args: argparse.Namespace) -> list[str]:
+    """The ``lmprefetch`` arguments that give ``args`` again (from the options themselves,
+    not ``sys.argv``, which is another program's when the command is called as a function)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    out = ["-v"] if getattr(args, "verbose", False) else []
+    out.append("bench-serve")
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [action.option_strings[0]] if value else []
+        elif value is not None and value != action.default:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
+def _enter_private_netns(args: argparse.Namespace) -> None:
     """Run this command again, whole, in a private network namespace (loopback only: every
     server, Redis and the link live in it and vanish with it).  Returns where it cannot."""
     from ..netns import unshare_argv
 
     if os.environ.get(_NETNS_ENV):  # already tried: unshare ran, but no private namespace
         return
-    argv = unshare_argv([sys.executable, "-m", "lmprefetch", *sys.argv[1:]])
+    argv = unshare_argv([sys.executable, "-m", "lmprefetch", *command_line(args)])
     if argv is None:
         return
     # Whether unshare may make the namespace here (not every user may): try it first.
