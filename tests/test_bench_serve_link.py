@@ -168,7 +168,11 @@ _RATE_CHECK = textwrap.dedent(
     out = {"netem": netem, "why": why}
     with Sink() as sink:
         out["unshaped"] = measure_transfer(sink.port, n, n)
-        shaper.install(sink.port, LinkSpec(rate, 0.0), netem=False)
+        try:
+            shaper.install(sink.port, LinkSpec(rate, 0.0), netem=False)
+        except OSError as exc:  # no htb here: nothing to measure
+            print(json.dumps({"skip": str(exc)}))
+            sys.exit(0)
         out["up"] = measure_transfer(sink.port, n, 1)
         out["down"] = measure_transfer(sink.port, 0, n)
         shaper.remove()
@@ -209,6 +213,8 @@ def test_the_shaper_limits_the_ports_rate_each_way_and_is_removed(tmp_path: Path
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"tc cannot shape lo here: {out['skip']}")
     # The detection matches what tc says about netem on this kernel.
     assert out["netem"] is (out["why"] == ""), out
     if not out["netem"]:
