@@ -172,6 +172,62 @@ def test_same_tokens_with_and_without_lmprefetch_and_cached_tokens_served(
     assert with_connector["client"]["timeouts"] == 0
 
 
+def test_load_limits_per_request_and_hit_sources_by_tier(tmp_path: Path) -> None:
+    """Real vLLM (CPU build) with the connector and a disk tier: a request with
+    ``max_load_tokens`` 64 gets 64 external tokens, 0 and ``skip_load`` get none, a request
+    without limits gets every whole chunk; vLLM's prompt tokens by source say ``host`` for CPU
+    tier hits and ``disk`` once only the disk tier holds the chunks."""
+    example = load_example()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(example.TINY_LLAMA))
+    prompt = example.prompts()[0]  # 200 tokens: 3 whole 64-token chunks
+    ktc = example.kv_transfer_config()
+    ktc["kv_connector_extra_config"] = {
+        **ktc["kv_connector_extra_config"],
+        "disk_path": str(tmp_path / "disk"),
+        "load_policy": "cost",  # not calibrated at first: loads like "always"
+    }
+    spec = {
+        "model": str(model),
+        "block_size": 32,
+        "prompts": [prompt],
+        "batches": [[0]] * 7,
+        "batch_params": [
+            None,  # computes and stores 3 chunks
+            [{"max_load_tokens": 64}],
+            [{"max_load_tokens": 0}],
+            [{"skip_load": True}],
+            None,  # every whole chunk, from the CPU tier
+            [{"max_load_tokens": 64}],  # from disk (the CPU tier forgot)
+            None,
+        ],
+        "drop_cpu_before": [5],
+        "max_tokens": 2,
+        "record_sources": True,
+        "kv_transfer_config": ktc,
+    }
+    run = finish(start([str(CHILD), json.dumps(spec)], in_process=True), "RESULT ")
+    cached = [batch[0]["cached_tokens"] for batch in run["batches"]]
+    assert cached == [0, 64, 0, 0, 192, 64, 192]
+    outputs = {tuple(batch[0]["output"]) for batch in run["batches"]}
+    assert len(outputs) == 1  # loaded or computed, the same tokens
+    assert run["sources"] == [
+        {"host": 64},
+        {"host": 192},
+        {"disk": 64},
+        {"disk": 192},
+    ]
+    sched = run["scheduler_counters"]
+    assert sched["load_skipped"] == 2
+    assert sched["load_capped"] == 2
+    assert run["client"]["submitted"] == 5  # the skipped requests sent no lookup
+    runtime = run["runtime"]
+    assert runtime["held_lookups"] == 0
+    assert runtime["pinned_chunks"] == 0
+    assert runtime["lookups"]["policy_loaded"] >= 4
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_each_store_and_load_their_slice(tmp_path: Path) -> None:
     """TP=2: two worker processes, two lmprefetch runtimes with per-rank keys, and the
