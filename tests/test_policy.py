@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from pathlib import Path
 
 import pytest
 import trio
@@ -314,3 +315,28 @@ def test_the_custom_policy_in_the_docs_works() -> None:
     redis = HitPart("redis", 4, 4 * PAYLOAD, False, SLOW)
     assert policy.chunks_to_load(_request([cpu, disk, redis], None)) == 5
     assert policy.chunks_to_load(_request([redis, cpu], None)) == 0
+
+
+def test_the_policy_fields_load_from_toml_and_the_environment(tmp_path: Path) -> None:
+    toml = tmp_path / "lmprefetch.toml"
+    toml.write_text(
+        '[lmprefetch]\nload_policy = "cost"\nload_deadline_s = 0.25\nprefill_tokens_per_s = 5000\n'
+    )
+    config = PrefetchConfig.from_file(toml)
+    assert (config.load_policy, config.load_deadline_s, config.prefill_tokens_per_s) == (
+        "cost",
+        0.25,
+        5000.0,
+    )
+    env = {
+        "LMPREFETCH_LOAD_POLICY": "tests.test_policy:HalfPolicy",
+        "LMPREFETCH_LOAD_DEADLINE_S": "1.5",
+    }
+    config = PrefetchConfig.from_env(env)
+    assert (config.load_policy, config.load_deadline_s) == ("tests.test_policy:HalfPolicy", 1.5)
+    assert PrefetchConfig().load_policy == "always"
+    assert PrefetchConfig().load_deadline_s is None
+    with pytest.raises(ValueError, match="^load_policy"):
+        PrefetchConfig.from_env({"LMPREFETCH_LOAD_POLICY": "sometimes"})
+    with pytest.raises(ValueError, match="^load_deadline_s"):
+        PrefetchConfig.from_dict({"load_deadline_s": 0})
