@@ -11,13 +11,17 @@ Read a lookup top to bottom here:
    prefix after which every other tier rules itself out without I/O), probing is a dictionary
    walk and loading is taking owner references on the cached buffers, so the record holds or
    ends at once, inside ``start_lookup``: no task (a 16-chunk CPU hit in tens of microseconds).
+   The ``never`` policy answers here too, probing nothing.
 3. Otherwise one task runs the lookup (:meth:`Engine._run_lookup`), in its own cancel scope.
    Tiers are probed in order on the keys no earlier tier hit (:meth:`Engine._probe_and_load`);
    a probe pins what it counts, and the pins are registered with the task's exit stack before
    the next checkpoint.  A tier with no hit is skipped; a tier that raises or times out ends
    the prefix there.  Each tier's load starts at once, in the task's nursery, under the
    weighted limiter (weight = chunks), into freshly allocated arena buffers, while the next
-   tier is probed; allocation failure is a shorter prefix, never a wait.
+   tier is probed; allocation failure is a shorter prefix, never a wait.  Under a load policy
+   other than ``always`` (:mod:`lmprefetch.policy`) the loads start once every tier was probed
+   and the policy chose how many hit chunks to load; what it drops is released at once.  The
+   loads stop at the lookup's deadline (or ``load_deadline_s``), keeping what they loaded.
 4. After the loads the chunks loaded *contiguously* from the first chunk go to the record
    (``hold``), everything past the first hole is released at once, and the lookup answers; a
    lookup with nothing to hold answers when its task has released everything (``end``).
