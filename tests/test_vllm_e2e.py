@@ -173,10 +173,10 @@ def test_same_tokens_with_and_without_lmprefetch_and_cached_tokens_served(
 
 
 def test_load_limits_per_request_and_hit_sources_by_tier(tmp_path: Path) -> None:
-    """Real vLLM (CPU build) with the connector and a disk tier: a request with
-    ``max_load_tokens`` 64 gets 64 external tokens, 0 and ``skip_load`` get none, a request
-    without limits gets every whole chunk; vLLM's prompt tokens by source say ``host`` for CPU
-    tier hits and ``disk`` once only the disk tier holds the chunks."""
+    """Real vLLM (CPU build) with the connector, a disk tier and the ``cost`` load policy: a
+    request with ``max_load_tokens`` 64 gets 64 external tokens, 0 and ``skip_load`` get none,
+    a request without limits gets every whole chunk; vLLM's prompt tokens by source say
+    ``host`` for CPU tier hits and ``disk`` once only the disk tier holds the chunks."""
     example = load_example()
     model = tmp_path / "model"
     model.mkdir()
@@ -209,15 +209,17 @@ def test_load_limits_per_request_and_hit_sources_by_tier(tmp_path: Path) -> None
     }
     run = finish(start([str(CHILD), json.dumps(spec)], in_process=True), "RESULT ")
     cached = [batch[0]["cached_tokens"] for batch in run["batches"]]
-    assert cached == [0, 64, 0, 0, 192, 64, 192]
+    # CPU tier hits are zero-copy: the cost policy always loads them.
+    assert cached[:5] == [0, 64, 0, 0, 192]
+    # Disk hits: loaded until the policy has measured the engine's prefill rate and the disk
+    # tier; then it loads them only if that is faster than recomputing on this machine now
+    # (the tiny model computes 200 tokens in milliseconds), so either is right here.
+    assert cached[5] in (0, 64) and cached[6] in (0, 192), cached
     outputs = {tuple(batch[0]["output"]) for batch in run["batches"]}
     assert len(outputs) == 1  # loaded or computed, the same tokens
-    assert run["sources"] == [
-        {"host": 64},
-        {"host": 192},
-        {"disk": 64},
-        {"disk": 192},
-    ]
+    # vLLM asked the connector which tier served each load (those that loaded something).
+    disk_sources = [{"disk": n} for n in cached[5:] if n]
+    assert run["sources"] == [{"host": 64}, {"host": 192}, *disk_sources]
     sched = run["scheduler_counters"]
     assert sched["load_skipped"] == 2
     assert sched["load_capped"] == 2
@@ -225,7 +227,13 @@ def test_load_limits_per_request_and_hit_sources_by_tier(tmp_path: Path) -> None
     runtime = run["runtime"]
     assert runtime["held_lookups"] == 0
     assert runtime["pinned_chunks"] == 0
-    assert runtime["lookups"]["policy_loaded"] >= 4
+    decisions = runtime["lookups"]
+    assert decisions["policy_loaded"] >= 2  # the CPU tier hits
+    # Every lookup that found chunks was decided once: the 4 hits (2 on disk, maybe skipped).
+    assert decisions["policy_loaded"] + decisions["policy_skipped"] == 4
+    assert decisions["policy_skipped"] == sum(1 for n in cached[5:] if n == 0)
+    worker = run["worker_counters"]
+    assert worker.get("policy_skipped", 0) == decisions["policy_skipped"]
 
 
 @pytest.mark.slow
