@@ -546,7 +546,8 @@ class Engine:
                 sources.append((part.tier.name, tokens))
             total += part.loaded
             hole = part.loaded < part.n_chunks
-        if hole and budget.cancelled_caught:
+        if budget.cancelled_caught and (hole or next_chunk < n_chunks):
+            # The deadline cut a load, or a probe that might have found more.
             self._lookups.counters.deadline_cut += 1
         rec.tier_tokens = tuple(sources)
         return total, kept

@@ -340,3 +340,19 @@ def test_the_policy_fields_load_from_toml_and_the_environment(tmp_path: Path) ->
         PrefetchConfig.from_env({"LMPREFETCH_LOAD_POLICY": "sometimes"})
     with pytest.raises(ValueError, match="^load_deadline_s"):
         PrefetchConfig.from_dict({"load_deadline_s": 0})
+
+
+async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc.Clock) -> None:
+    slow = _slow()  # a probe takes 20 ms
+    async with engine_with(_config(load_deadline_s=0.010), slow) as eng:
+        prompt, data = _prompt(4, 7), _data(4, 7)
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
+        for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
+            slow.data[key] = payload
+        assert await eng.lookup_and_prefetch("p", hashes, [CS] * 4) == 2 * CS
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert slow.loads_started == 0
+        eng.cancel("p")
+        await eng.wait_quiet()
+        assert_conserved(eng)
