@@ -310,19 +310,22 @@ class Engine:
             return rec
         held = self._hits_in_memory(hashes, skip_chunks)
         if held is not None:  # memory answers: no task
-            kpc = self._kpc
-            found = len(held) // kpc
-            keep = 0
             if held:
-                cum = None if type(self.policy) is AlwaysLoad else [0, *accumulate(offsets)]
-                keep = self._decide([(self.cpu, found, True)], cum, skip_chunks)
-            if keep < found:
-                _release_pairs(held[keep * kpc :])
-                del held[keep * kpc :]
+                kpc = self._kpc
+                keep = found = len(held) // kpc
+                if type(self.policy) is AlwaysLoad:  # the hot path: no decision to make
+                    lookups.counters.policy_loaded += 1
+                else:
+                    cum = [0, *accumulate(offsets)]
+                    keep = self._decide([(self.cpu, found, True)], cum, skip_chunks)
+                    if keep < found:
+                        _release_pairs(held[keep * kpc :])
+                        del held[keep * kpc :]
             if held:
-                hit = skip_chunks + keep
-                rec.tier_tokens = ((self.cpu.name, sum(offsets[skip_chunks:hit])),)
-                rec.hold(held, sum(offsets[:hit]))
+                hit_tokens = sum(offsets[: skip_chunks + keep])
+                skipped = sum(offsets[:skip_chunks]) if skip_chunks else 0
+                rec.tier_tokens = ((self.cpu.name, hit_tokens - skipped),)
+                rec.hold(held, hit_tokens)
             else:
                 rec.end(sum(offsets[:skip_chunks]) if skip_chunks else 0)
             return rec
