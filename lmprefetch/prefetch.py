@@ -542,11 +542,8 @@ class Engine:
             kept.extend(zip(part.keys[:keep], part.buffers[:keep]))
             part.buffers = part.buffers[keep:]
             part.release_buffers()
-            if part.loaded:
-                tokens = cum[total + part.loaded] - cum[total]
-                if sources and sources[-1][0] == part.tier.name:
-                    tokens += sources.pop()[1]
-                sources.append((part.tier.name, tokens))
+            if part.loaded:  # each tier has one part: its name appears once
+                sources.append((part.tier.name, cum[total + part.loaded] - cum[total]))
             total += part.loaded
             hole = part.loaded < part.n_chunks
         if budget.cancelled_caught and (hole or next_chunk < n_chunks):

@@ -356,3 +356,23 @@ async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc
         eng.cancel("p")
         await eng.wait_quiet()
         assert_conserved(eng)
+
+
+async def test_a_hit_over_two_tiers_says_which_served_what(autojump_clock: trio.abc.Clock) -> None:
+    slow = _slow()
+    async with engine_with(_config(), slow) as eng:
+        prompt, data = _prompt(5, 8), _data(5, 8)
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
+        for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
+            slow.data[key] = payload
+        assert await eng.lookup_and_prefetch("t", hashes, [CS] * 5) == 5 * CS
+        assert eng.lookup_tier_tokens("t") == (("cpu", 2 * CS), ("slow", 3 * CS))
+        # Chunks the engine already holds are not counted: the split covers the rest.
+        assert await eng.lookup_and_prefetch("u", hashes, [CS] * 5, skip_chunks=3) == 5 * CS
+        assert eng.lookup_tier_tokens("u") == (("slow", 2 * CS),)
+        eng.cancel("t")
+        eng.cancel("u")
+        assert eng.lookup_tier_tokens("t") == ()
+        await eng.wait_quiet()
+        assert_conserved(eng)
