@@ -168,34 +168,45 @@ class CostPolicy:
 class PrefillModel:
     """Seconds the engine takes to compute tokens, measured from its steps.
 
-    Each step's time is fitted as ``overhead + tokens / tokens_per_s`` (moving least squares
-    over the recent steps); computing a span of tokens costs ``span / tokens_per_s``.  Until
-    :data:`MIN_PREFILL_SAMPLES` steps with different token counts were seen, ``configured``
-    tokens per second is used, or the model is not calibrated (``None``).
+    A step that computes ``n`` tokens of a request after its first ``c`` costs, summed over
+    the step's requests, ``overhead + a·n + b·((c+n)² − c²)``: a per-token term (the MLPs,
+    the projections) and attention's term, which grows with the context.  Each step reports
+    its tokens ``T = Σn``, its attention work ``Q = Σ((c+n)² − c²)`` and its time, and
+    ``(a, b)`` are fitted by least squares over moving averages of the steps (weight
+    :data:`EWMA_ALPHA` per new step).  When the steps cannot tell the two terms apart (their
+    ``Q`` does not vary independently of ``T``), or the fit gives a negative term, the model
+    falls back to the per-token term alone.  Computing tokens ``[start, end)`` of a prompt
+    then costs ``a·(end − start) + b·(end² − start²)``.
 
-    Attention's quadratic term is left out: at the prompt lengths a CPU engine serves it is a
-    small share of a step, and a fit with it needs steps of widely varying context to tell it
-    from the linear term (see ``docs/policy.md``).
+    Until :data:`MIN_PREFILL_SAMPLES` steps with different token counts were seen,
+    ``configured_tokens_per_s`` is used (``a = 1 / rate``, ``b = 0``), or the model is not
+    calibrated.
     """
 
     def __init__(self, configured_tokens_per_s: float | None = None) -> None:
         self.configured_tokens_per_s = configured_tokens_per_s
         self._lock = threading.Lock()
         self._samples = 0
-        # Moving averages of x (tokens), y (seconds), x², x·y.
-        self._x = self._y = self._xx = self._xy = 0.0
+        # Moving averages of T, Q, t and their products.
+        self._t = self._q = self._y = 0.0
+        self._tt = self._tq = self._qq = self._ty = self._qy = 0.0
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """One engine step computed ``tokens`` tokens in ``seconds``."""
+    def observe_step(self, tokens: int, seconds: float, attention: int = 0) -> None:
+        """One engine step computed ``tokens`` tokens (``attention``: their ``Σ((c+n)² −
+        c²)``, 0 when unknown) in ``seconds``.  Any thread."""
         if tokens <= 0 or not seconds > 0:
             return
-        x, y = float(tokens), float(seconds)
+        t, q, y = float(tokens), float(max(0, attention)), float(seconds)
         with self._lock:
-            a = 1.0 if self._samples == 0 else EWMA_ALPHA
-            self._x += a * (x - self._x)
-            self._y += a * (y - self._y)
-            self._xx += a * (x * x - self._xx)
-            self._xy += a * (x * y - self._xy)
+            w = 1.0 if self._samples == 0 else EWMA_ALPHA
+            self._t += w * (t - self._t)
+            self._q += w * (q - self._q)
+            self._y += w * (y - self._y)
+            self._tt += w * (t * t - self._tt)
+            self._tq += w * (t * q - self._tq)
+            self._qq += w * (q * q - self._qq)
+            self._ty += w * (t * y - self._ty)
+            self._qy += w * (q * y - self._qy)
             self._samples += 1
 
     @property
@@ -203,24 +214,52 @@ class PrefillModel:
         """Steps observed so far."""
         return self._samples
 
-    def tokens_per_s(self) -> float | None:
-        """The measured rate (the configured one until measured), or ``None``."""
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(a, b)``: seconds per token and per unit of attention work (the measured ones,
+        else the configured rate's), or ``None`` when not calibrated.  Any thread."""
         with self._lock:
-            if self._samples >= MIN_PREFILL_SAMPLES:
-                var = self._xx - self._x * self._x
-                if var > 1e-9 * max(self._xx, 1.0):
-                    slope = (self._xy - self._x * self._y) / var
-                    if slope > 0:
-                        return 1.0 / slope
-        return self.configured_tokens_per_s
+            fitted = self._fit()
+        if fitted is not None:
+            return fitted
+        rate = self.configured_tokens_per_s
+        return None if rate is None else (1.0 / rate, 0.0)
+
+    def _fit(self) -> tuple[float, float] | None:
+        if self._samples < MIN_PREFILL_SAMPLES:
+            return None
+        # Covariances of the centred data.
+        vt = self._tt - self._t * self._t
+        vq = self._qq - self._q * self._q
+        ctq = self._tq - self._t * self._q
+        cty = self._ty - self._t * self._y
+        cqy = self._qy - self._q * self._y
+        if not vt > 1e-9 * max(self._tt, 1.0):
+            return None  # every step the same size: no rate to tell
+        det = vt * vq - ctq * ctq
+        if det > 1e-6 * vt * vq:  # the terms vary apart enough to separate them
+            a = (cty * vq - cqy * ctq) / det
+            b = (cqy * vt - cty * ctq) / det
+            if a > 0 and b >= 0:
+                return a, b
+        a = cty / vt
+        return (a, 0.0) if a > 0 else None
+
+    def tokens_per_s(self) -> float | None:
+        """The per-token rate (``1 / a``: measured, else configured), or ``None``."""
+        coefficients = self.coefficients()
+        return None if coefficients is None else 1.0 / coefficients[0]
 
     def calibrated(self) -> bool:
-        return self.tokens_per_s() is not None
+        return self.coefficients() is not None
 
     def seconds(self, start: int, end: int) -> float:
-        """Expected seconds to compute tokens ``[start, end)`` (0 when not calibrated)."""
-        rate = self.tokens_per_s()
-        return 0.0 if rate is None else max(0, end - start) / rate
+        """Expected seconds to compute tokens ``[start, end)`` of a prompt (0 when not
+        calibrated)."""
+        coefficients = self.coefficients()
+        if coefficients is None or end <= start:
+            return 0.0
+        a, b = coefficients
+        return a * (end - start) + b * (end * end - start * start)
 
 
 def make_policy(name: str) -> LoadPolicy:

@@ -119,6 +119,31 @@ def test_prefill_model_fits_the_rate_beside_a_fixed_step_overhead() -> None:
     assert model.seconds(0, 400) == pytest.approx(0.1, rel=1e-6)
 
 
+def test_prefill_model_separates_attention_from_the_per_token_term() -> None:
+    """Steps of one request at growing context (chunked prefill) and short decode steps: the
+    fit finds both terms, and a late span of a prompt costs more than an early one."""
+    a, b = 1 / 8000, 2e-8  # seconds per token, per unit of attention work
+    model = PrefillModel()
+    for c, n in [(0, 512), (512, 512), (1024, 512), (1536, 256), (1792, 1), (1793, 1), (0, 64)]:
+        q = (c + n) ** 2 - c**2
+        model.observe_step(n, 0.003 + a * n + b * q, attention=q)
+    coefficients = model.coefficients()
+    assert coefficients is not None
+    assert coefficients[0] == pytest.approx(a, rel=1e-6)
+    assert coefficients[1] == pytest.approx(b, rel=1e-6)
+    late = model.seconds(1536, 2048)
+    assert late == pytest.approx(a * 512 + b * (2048**2 - 1536**2), rel=1e-6)
+    assert late > 1.4 * model.seconds(0, 512)  # the same 512 tokens, at a longer context
+    assert model.seconds(0, 512) == pytest.approx(a * 512 + b * 512**2, rel=1e-6)
+
+
+def test_prefill_model_falls_back_to_tokens_alone_when_attention_is_unknown() -> None:
+    model = PrefillModel()
+    for tokens in (16, 512, 64, 1024):
+        model.observe_step(tokens, 0.005 + tokens / 4000)  # no attention work reported
+    assert model.coefficients() == pytest.approx((1 / 4000, 0.0))
+
+
 def test_prefill_model_uses_the_configured_rate_until_measured() -> None:
     model = PrefillModel(2000.0)
     assert model.tokens_per_s() == 2000.0
