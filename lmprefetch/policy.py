@@ -142,24 +142,24 @@ class CostPolicy:
     """The prefix with the lowest expected time to first token (see the module docstring)."""
 
     def chunks_to_load(self, request: LoadRequest) -> int:
-        prefill = request.prefill
         n = request.hit_chunks
-        if n == 0 or not prefill.calibrated():
+        coefficients = request.prefill.coefficients()  # one read: the model may move meanwhile
+        if n == 0 or coefficients is None:
             return n
+        a, b = coefficients
         best_k, best = 0, 0.0  # load nothing: cost 0 relative to recomputing all
-        part_load: dict[int, float] = {}  # part index -> its load time for the chunks taken
+        slowest = 0.0  # the load time of the chunks taken so far (the tiers load side by side)
         k = 0
         start = request.computed_tokens
         end = start
-        for i, part in enumerate(request.parts):
+        for part in request.parts:
             per_chunk = part.bytes / part.chunks if part.chunks else 0.0
             for j in range(1, part.chunks + 1):
                 end += request.chunk_tokens[k]
                 k += 1
                 if not part.zero_copy:
-                    part_load[i] = part.cost.seconds(int(per_chunk * j))
-                load = max(part_load.values(), default=0.0)
-                gain = load - prefill.seconds(start, end)
+                    slowest = max(slowest, part.cost.seconds(int(per_chunk * j)))
+                gain = slowest - (a * (end - start) + b * (end * end - start * start))
                 if gain <= best:
                     best_k, best = k, gain
         return best_k

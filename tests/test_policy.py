@@ -137,6 +137,23 @@ def test_prefill_model_separates_attention_from_the_per_token_term() -> None:
     assert model.seconds(0, 512) == pytest.approx(a * 512 + b * 512**2, rel=1e-6)
 
 
+def test_a_slow_hit_skipped_early_in_a_prompt_is_loaded_late_in_a_long_one() -> None:
+    """Attention makes late tokens dearer: the same 4 slow chunks (72 ms to load) are not
+    worth loading after 0 tokens (33 ms to compute) but are after 6,000 (95 ms)."""
+    a, b = 1 / 8000, 2e-8
+    prefill = PrefillModel()
+    for c, n in [(0, 512), (512, 512), (1024, 512), (1536, 256), (1792, 1), (0, 64)]:
+        q = (c + n) ** 2 - c**2
+        prefill.observe_step(n, 0.003 + a * n + b * q, attention=q)
+    slow = HitPart("slow", 4, 4 * PAYLOAD, False, SLOW)
+
+    def request(computed: int) -> LoadRequest:
+        return LoadRequest((slow,), (CS,) * 4, computed, computed + 5 * CS, prefill)
+
+    assert CostPolicy().chunks_to_load(request(0)) == 0
+    assert CostPolicy().chunks_to_load(request(6000)) == 4
+
+
 def test_prefill_model_falls_back_to_tokens_alone_when_attention_is_unknown() -> None:
     model = PrefillModel()
     for tokens in (16, 512, 64, 1024):
