@@ -1204,9 +1204,9 @@ def test_the_workers_calibrate_the_prefill_model_from_their_steps(make_harness: 
 
 
 def test_connector_counters_reach_vllms_prometheus_hook() -> None:
-    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-
     from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
     metrics = LMPrefetchConnector.build_prom_metrics(
         SimpleNamespace(kv_transfer_config=None),
