@@ -165,48 +165,64 @@ class CostPolicy:
         return best_k
 
 
+class _StepBucket:
+    """Moving averages of the steps of one size (see :class:`PrefillModel`)."""
+
+    __slots__ = ("q", "samples", "t", "y")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.t = self.q = self.y = 0.0
+
+    def add(self, t: float, q: float, y: float) -> None:
+        w = 1.0 if self.samples == 0 else EWMA_ALPHA
+        self.t += w * (t - self.t)
+        self.q += w * (q - self.q)
+        self.y += w * (y - self.y)
+        self.samples += 1
+
+
 class PrefillModel:
     """Seconds the engine takes to compute tokens, measured from its steps.
 
     A step that computes ``n`` tokens of a request after its first ``c`` costs, summed over
     the step's requests, ``overhead + a·n + b·((c+n)² − c²)``: a per-token term (the MLPs,
     the projections) and attention's term, which grows with the context.  Each step reports
-    its tokens ``T = Σn``, its attention work ``Q = Σ((c+n)² − c²)`` and its time, and
-    ``(a, b)`` are fitted by least squares over moving averages of the steps (weight
-    :data:`EWMA_ALPHA` per new step).  When the steps cannot tell the two terms apart (their
-    ``Q`` does not vary independently of ``T``), or the fit gives a negative term, the model
-    falls back to the per-token term alone.  Computing tokens ``[start, end)`` of a prompt
-    then costs ``a·(end − start) + b·(end² − start²)``.
+    its tokens ``T = Σn``, its attention work ``Q = Σ((c+n)² − c²)`` and its time.
 
-    Until :data:`MIN_PREFILL_SAMPLES` steps with different token counts were seen,
-    ``configured_tokens_per_s`` is used (``a = 1 / rate``, ``b = 0``), or the model is not
-    calibrated.
+    Steps are kept by size: one bucket per power of two of ``T`` and of ``Q``, each holding
+    moving averages of its steps (weight :data:`EWMA_ALPHA` per new step).  ``(a, b)`` are
+    fitted by least squares over the buckets, one point each, so the many small steps of
+    decoding (and of prompts whose prefix was loaded) do not wash out what the few long
+    prefills showed: an average over steps forgets a long prefill after a few dozen decode
+    steps, and a rate fitted from small steps alone is their timing noise.  With at least
+    four buckets whose ``Q`` varies apart from ``T`` both terms are fitted; otherwise, or when
+    that fit gives a negative term, the per-token term alone.  Computing tokens ``[start,
+    end)`` of a prompt then costs ``a·(end − start) + b·(end² − start²)``.
+
+    Until steps of two different sizes were seen (and :data:`MIN_PREFILL_SAMPLES` steps in
+    all), ``configured_tokens_per_s`` is used (``a = 1 / rate``, ``b = 0``), or the model is
+    not calibrated.
     """
 
     def __init__(self, configured_tokens_per_s: float | None = None) -> None:
         self.configured_tokens_per_s = configured_tokens_per_s
         self._lock = threading.Lock()
         self._samples = 0
-        # Moving averages of T, Q, t and their products.
-        self._t = self._q = self._y = 0.0
-        self._tt = self._tq = self._qq = self._ty = self._qy = 0.0
+        self._buckets: dict[tuple[int, int], _StepBucket] = {}
 
     def observe_step(self, tokens: int, seconds: float, attention: int = 0) -> None:
         """One engine step computed ``tokens`` tokens (``attention``: their ``Σ((c+n)² −
         c²)``, 0 when unknown) in ``seconds``.  Any thread."""
         if tokens <= 0 or not seconds > 0:
             return
-        t, q, y = float(tokens), float(max(0, attention)), float(seconds)
+        attention = max(0, attention)
+        key = (tokens.bit_length(), attention.bit_length())
         with self._lock:
-            w = 1.0 if self._samples == 0 else EWMA_ALPHA
-            self._t += w * (t - self._t)
-            self._q += w * (q - self._q)
-            self._y += w * (y - self._y)
-            self._tt += w * (t * t - self._tt)
-            self._tq += w * (t * q - self._tq)
-            self._qq += w * (q * q - self._qq)
-            self._ty += w * (t * y - self._ty)
-            self._qy += w * (q * y - self._qy)
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                bucket = self._buckets[key] = _StepBucket()
+            bucket.add(float(tokens), float(attention), float(seconds))
             self._samples += 1
 
     @property
@@ -218,31 +234,13 @@ class PrefillModel:
         """``(a, b)``: seconds per token and per unit of attention work (the measured ones,
         else the configured rate's), or ``None`` when not calibrated.  Any thread."""
         with self._lock:
-            fitted = self._fit()
+            points = [(b.t, b.q, b.y) for b in self._buckets.values()]
+            samples = self._samples
+        fitted = _fit(points) if samples >= MIN_PREFILL_SAMPLES else None
         if fitted is not None:
             return fitted
         rate = self.configured_tokens_per_s
         return None if rate is None else (1.0 / rate, 0.0)
-
-    def _fit(self) -> tuple[float, float] | None:
-        if self._samples < MIN_PREFILL_SAMPLES:
-            return None
-        # Covariances of the centred data.
-        vt = self._tt - self._t * self._t
-        vq = self._qq - self._q * self._q
-        ctq = self._tq - self._t * self._q
-        cty = self._ty - self._t * self._y
-        cqy = self._qy - self._q * self._y
-        if not vt > 1e-9 * max(self._tt, 1.0):
-            return None  # every step the same size: no rate to tell
-        det = vt * vq - ctq * ctq
-        if det > 1e-6 * vt * vq:  # the terms vary apart enough to separate them
-            a = (cty * vq - cqy * ctq) / det
-            b = (cqy * vt - cty * ctq) / det
-            if a > 0 and b >= 0:
-                return a, b
-        a = cty / vt
-        return (a, 0.0) if a > 0 else None
 
     def tokens_per_s(self) -> float | None:
         """The per-token rate (``1 / a``: measured, else configured), or ``None``."""
@@ -260,6 +258,31 @@ class PrefillModel:
             return 0.0
         a, b = coefficients
         return a * (end - start) + b * (end * end - start * start)
+
+
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Least squares of ``y = c + a·T + b·Q`` over ``(T, Q, y)`` points, one per bucket."""
+    n = len(points)
+    if n < 2:
+        return None
+    mt = sum(t for t, _, _ in points) / n
+    mq = sum(q for _, q, _ in points) / n
+    my = sum(y for _, _, y in points) / n
+    vt = sum((t - mt) ** 2 for t, _, _ in points)
+    vq = sum((q - mq) ** 2 for _, q, _ in points)
+    ctq = sum((t - mt) * (q - mq) for t, q, _ in points)
+    cty = sum((t - mt) * (y - my) for t, _, y in points)
+    cqy = sum((q - mq) * (y - my) for _, q, y in points)
+    if not vt > 0:
+        return None  # every step the same size: no rate to tell
+    det = vt * vq - ctq * ctq
+    if n >= 4 and det > 1e-6 * vt * vq:  # the terms vary apart enough to separate them
+        a = (cty * vq - cqy * ctq) / det
+        b = (cqy * vt - cty * ctq) / det
+        if a > 0 and b >= 0:
+            return a, b
+    a = cty / vt
+    return (a, 0.0) if a > 0 else None
 
 
 def make_policy(name: str) -> LoadPolicy:

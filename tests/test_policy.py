@@ -154,6 +154,23 @@ def test_a_slow_hit_skipped_early_in_a_prompt_is_loaded_late_in_a_long_one() -> 
     assert CostPolicy().chunks_to_load(request(6000)) == 4
 
 
+def test_prefill_model_keeps_the_long_prefills_through_many_decode_steps() -> None:
+    """A server decodes far more steps than it prefills prompts: hundreds of one- and
+    two-token steps (their time a few ms of jitter around the overhead) after three long
+    prefills must not turn the rate into the jitter's slope.  (An average over steps did:
+    the cost policy then swung between loading and skipping from one request to the next.)"""
+    model = PrefillModel()
+    for tokens in (2048, 1024, 2080):
+        model.observe_step(tokens, 0.005 + tokens / 4000)
+    jitter = [0.002, -0.001, 0.0015, -0.002, 0.0005, 0.001, -0.0015]
+    for i in range(300):
+        tokens = 1 + i % 2
+        model.observe_step(tokens, 0.005 + tokens / 4000 + jitter[i % len(jitter)])
+    rate = model.tokens_per_s()
+    assert rate is not None and rate == pytest.approx(4000, rel=0.05)
+    assert model.seconds(0, 2048) == pytest.approx(2048 / 4000, rel=0.05)
+
+
 def test_prefill_model_falls_back_to_tokens_alone_when_attention_is_unknown() -> None:
     model = PrefillModel()
     for tokens in (16, 512, 64, 1024):
