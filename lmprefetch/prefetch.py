@@ -41,7 +41,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from itertools import accumulate
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import msgspec
 import trio
@@ -69,6 +69,12 @@ from .tiers.cpu import CpuTier
 __all__ = ["Engine", "EngineStatistics", "LookupState"]
 
 log = logging.getLogger("lmprefetch.engine")
+
+#: With ``load_deadline_s`` set, a tier's part is loaded in up to this many calls, in order,
+#: so that a cut keeps what already arrived (see :meth:`Engine._load_in_batches`).
+DEADLINE_LOAD_BATCHES: Final = 8
+#: ... and this many of them in flight at once.
+DEADLINE_LOAD_DEPTH: Final = 3
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, gc=False):
@@ -574,24 +580,89 @@ class Engine:
                 part.buffers = self.arena.allocate_many(want)
                 usable = len(part.buffers) // kpc * kpc
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
-                if usable:
+                if usable and self.config.load_deadline_s is not None and usable > kpc:
+                    await self._load_in_batches(part, usable // kpc)
+                    part.release_buffers(part.loaded * kpc)
+                elif usable:
                     got = await self._tier_load(part.tier, part.keys[:usable], part.buffers)
                     part.loaded = got // kpc
                     part.release_buffers(part.loaded * kpc)
         finally:
             part.pins.release()
 
+    async def _load_in_batches(self, part: _Part, chunks: int) -> None:
+        """Load a part's first ``chunks`` chunks in up to :data:`DEADLINE_LOAD_BATCHES`
+        calls, in order, :data:`DEADLINE_LOAD_DEPTH` at a time (which hides a call's round
+        trip behind the previous call's transfer), so that when ``load_deadline_s`` cancels
+        the loads, ``part.loaded`` is the prefix already in memory, not nothing.
+
+        ``part.loaded`` moves forward as each batch ends, over the batches that ended whole
+        and in order.  The tier's throughput is measured over the part (the bytes of that
+        prefix over the time since the first call), also when the deadline cuts it: batches
+        run side by side, so one batch's time would count the link's share of the others."""
+        kpc = self._kpc
+        tier = part.tier
+        per = -(-chunks // DEADLINE_LOAD_BATCHES)
+        bounds = [(lo, min(lo + per, chunks)) for lo in range(0, chunks, per)]
+        filled: list[int | None] = [None] * len(bounds)  # whole chunks from each batch's first
+        slots = trio.Semaphore(DEADLINE_LOAD_DEPTH)
+        short = False  # a batch ended short: the batches after it cannot extend the prefix
+
+        def advance() -> None:
+            loaded = 0
+            for (lo, hi), got in zip(bounds, filled):
+                if got is None:
+                    break
+                loaded += got
+                if lo + got < hi:
+                    break
+            part.loaded = loaded
+
+        async def load_batch(index: int) -> None:
+            nonlocal short
+            lo, hi = bounds[index]
+            try:
+                got = await self._tier_load(
+                    tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc],
+                    observe=False,
+                )  # fmt: skip
+                filled[index] = got // kpc
+                short = short or lo + got // kpc < hi
+                advance()
+            finally:
+                slots.release()
+
+        t0 = trio.current_time()
+        try:
+            async with trio.open_nursery() as batches:
+                for index in range(len(bounds)):
+                    await slots.acquire()
+                    if short:
+                        slots.release()
+                        break
+                    batches.start_soon(load_batch, index)
+        finally:
+            if part.loaded:
+                n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
+                tier.stats.observe_load(n_bytes, trio.current_time() - t0)
+
     async def _tier_load(
-        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
+        self,
+        tier: Tier,
+        keys: Sequence[ChunkKey],
+        buffers: Sequence[Buffer],
+        *,
+        observe: bool = True,
     ) -> int:
         """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
-        when the tier raises or times out (the prefix ends at this tier; D05)."""
+        when the tier raises or times out (the prefix ends at this tier; D05).  ``observe``:
+        the call's bytes and time feed the tier's throughput estimate."""
         t0 = trio.current_time()
         tier.stats.load_started(t0)
         try:
             with trio.move_on_after(self.config.tier_timeout_s):
                 got = max(0, min(await tier.load(keys, buffers), len(keys)))
-                if got:
+                if got and observe:
                     n_bytes = sum(len(buf.view()) for buf in buffers[:got])
                     tier.stats.observe_load(n_bytes, trio.current_time() - t0)
                 return got

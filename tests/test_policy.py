@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import trio
 
 from lmprefetch import PrefetchConfig, open_engine
+from lmprefetch.keys import ChunkKey
+from lmprefetch.memory import Buffer
 from lmprefetch.policy import (
     AlwaysLoad,
     CostPolicy,
@@ -335,6 +338,57 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 8 * CS
         assert eng.stats()["lookups"]["deadline_cut"] == 0
         eng.cancel("d")
+
+
+async def test_the_load_deadline_keeps_the_part_of_one_tier_that_arrived(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """One slow tier holds the whole hit (8 chunks: 20 ms a call, 13 ms a chunk on the link,
+    about 125 ms in one call).  A 100 ms deadline cuts its load: the chunks already in memory
+    are the answer (the tier's part is loaded in batches, in order), not nothing, and the rest
+    is released.  The link's rate is measured over what arrived."""
+    async with engine_with(_config(load_deadline_s=0.100), _slow()) as eng:
+        slow = eng.tiers[-1]
+        assert isinstance(slow, ThrottledTier)
+        prompt, data = _prompt(8, 9), _data(8, 9)
+        hashes = await put_in(slow, eng, prompt, data)
+        hit = await eng.lookup_and_prefetch("p", hashes, [CS] * 8)
+        assert CS <= hit < 8 * CS and hit % CS == 0
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.stats()["pinned_chunks"] == 0
+        assert eng.stats()["limiter_used"] == 0
+        with eng.claim("p") as got:
+            assert [bytes(b.view()) for _, b in got] == data[: hit // CS]
+        rate = eng.stats()["tiers"]["slow"]["load_bytes_per_s_ewma"]
+        assert rate is not None and 2 * MB < rate < 10 * MB
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_cut_keeps_no_batch_after_one_that_had_not_arrived(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The batch holding the first chunk never answers while the later ones do: the cut
+    answers 0 (a later batch's chunks are no prefix) and releases everything."""
+
+    class FirstBatchStalls(ThrottledTier):
+        async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+            if keys[0] == self.first:
+                await trio.sleep_forever()
+            return await super().load(keys, buffers)
+
+    stalls = FirstBatchStalls("slow", bytes_per_s=100 * MB, rtt_s=0.001)
+    async with engine_with(_config(load_deadline_s=0.100), stalls) as eng:
+        prompt, data = _prompt(8, 10), _data(8, 10)
+        hashes = await put_in(stalls, eng, prompt, data)
+        stalls.first = eng.keys.keys(hashes)[0]
+        assert await eng.lookup_and_prefetch("s", hashes, [CS] * 8) == 0
+        assert stalls.stats.chunks_loaded >= 2  # later batches did arrive
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.stats()["pinned_chunks"] == 0
+        assert eng.stats()["limiter_used"] == 0
+        await eng.wait_quiet()
+        assert_conserved(eng)
 
 
 def test_the_tier_split_travels_from_worker_to_client() -> None:
