@@ -142,60 +142,87 @@ class CostPolicy:
     """The prefix with the lowest expected time to first token (see the module docstring)."""
 
     def chunks_to_load(self, request: LoadRequest) -> int:
-        prefill = request.prefill
         n = request.hit_chunks
-        if n == 0 or not prefill.calibrated():
+        coefficients = request.prefill.coefficients()  # one read: the model may move meanwhile
+        if n == 0 or coefficients is None:
             return n
+        a, b = coefficients
         best_k, best = 0, 0.0  # load nothing: cost 0 relative to recomputing all
-        part_load: dict[int, float] = {}  # part index -> its load time for the chunks taken
+        slowest = 0.0  # the load time of the chunks taken so far (the tiers load side by side)
         k = 0
         start = request.computed_tokens
         end = start
-        for i, part in enumerate(request.parts):
+        for part in request.parts:
             per_chunk = part.bytes / part.chunks if part.chunks else 0.0
             for j in range(1, part.chunks + 1):
                 end += request.chunk_tokens[k]
                 k += 1
                 if not part.zero_copy:
-                    part_load[i] = part.cost.seconds(int(per_chunk * j))
-                load = max(part_load.values(), default=0.0)
-                gain = load - prefill.seconds(start, end)
+                    slowest = max(slowest, part.cost.seconds(int(per_chunk * j)))
+                gain = slowest - (a * (end - start) + b * (end * end - start * start))
                 if gain <= best:
                     best_k, best = k, gain
         return best_k
 
 
+class _StepBucket:
+    """Moving averages of the steps of one size (see :class:`PrefillModel`)."""
+
+    __slots__ = ("q", "samples", "t", "y")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.t = self.q = self.y = 0.0
+
+    def add(self, t: float, q: float, y: float) -> None:
+        w = 1.0 if self.samples == 0 else EWMA_ALPHA
+        self.t += w * (t - self.t)
+        self.q += w * (q - self.q)
+        self.y += w * (y - self.y)
+        self.samples += 1
+
+
 class PrefillModel:
     """Seconds the engine takes to compute tokens, measured from its steps.
 
-    Each step's time is fitted as ``overhead + tokens / tokens_per_s`` (moving least squares
-    over the recent steps); computing a span of tokens costs ``span / tokens_per_s``.  Until
-    :data:`MIN_PREFILL_SAMPLES` steps with different token counts were seen, ``configured``
-    tokens per second is used, or the model is not calibrated (``None``).
+    A step that computes ``n`` tokens of a request after its first ``c`` costs, summed over
+    the step's requests, ``overhead + a·n + b·((c+n)² − c²)``: a per-token term (the MLPs,
+    the projections) and attention's term, which grows with the context.  Each step reports
+    its tokens ``T = Σn``, its attention work ``Q = Σ((c+n)² − c²)`` and its time.
 
-    Attention's quadratic term is left out: at the prompt lengths a CPU engine serves it is a
-    small share of a step, and a fit with it needs steps of widely varying context to tell it
-    from the linear term (see ``docs/policy.md``).
+    Steps are kept by size: one bucket per power of two of ``T`` and of ``Q``, each holding
+    moving averages of its steps (weight :data:`EWMA_ALPHA` per new step).  ``(a, b)`` are
+    fitted by least squares over the buckets, one point each, so the many small steps of
+    decoding (and of prompts whose prefix was loaded) do not wash out what the few long
+    prefills showed: an average over steps forgets a long prefill after a few dozen decode
+    steps, and a rate fitted from small steps alone is their timing noise.  With at least
+    four buckets whose ``Q`` varies apart from ``T`` both terms are fitted; otherwise, or when
+    that fit gives a negative term, the per-token term alone.  Computing tokens ``[start,
+    end)`` of a prompt then costs ``a·(end − start) + b·(end² − start²)``.
+
+    Until steps of two different sizes were seen (and :data:`MIN_PREFILL_SAMPLES` steps in
+    all), ``configured_tokens_per_s`` is used (``a = 1 / rate``, ``b = 0``), or the model is
+    not calibrated.
     """
 
     def __init__(self, configured_tokens_per_s: float | None = None) -> None:
         self.configured_tokens_per_s = configured_tokens_per_s
         self._lock = threading.Lock()
         self._samples = 0
-        # Moving averages of x (tokens), y (seconds), x², x·y.
-        self._x = self._y = self._xx = self._xy = 0.0
+        self._buckets: dict[tuple[int, int], _StepBucket] = {}
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """One engine step computed ``tokens`` tokens in ``seconds``."""
+    def observe_step(self, tokens: int, seconds: float, attention: int = 0) -> None:
+        """One engine step computed ``tokens`` tokens (``attention``: their ``Σ((c+n)² −
+        c²)``, 0 when unknown) in ``seconds``.  Any thread."""
         if tokens <= 0 or not seconds > 0:
             return
-        x, y = float(tokens), float(seconds)
+        attention = max(0, attention)
+        key = (tokens.bit_length(), attention.bit_length())
         with self._lock:
-            a = 1.0 if self._samples == 0 else EWMA_ALPHA
-            self._x += a * (x - self._x)
-            self._y += a * (y - self._y)
-            self._xx += a * (x * x - self._xx)
-            self._xy += a * (x * y - self._xy)
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                bucket = self._buckets[key] = _StepBucket()
+            bucket.add(float(tokens), float(attention), float(seconds))
             self._samples += 1
 
     @property
@@ -203,24 +230,59 @@ class PrefillModel:
         """Steps observed so far."""
         return self._samples
 
-    def tokens_per_s(self) -> float | None:
-        """The measured rate (the configured one until measured), or ``None``."""
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(a, b)``: seconds per token and per unit of attention work (the measured ones,
+        else the configured rate's), or ``None`` when not calibrated.  Any thread."""
         with self._lock:
-            if self._samples >= MIN_PREFILL_SAMPLES:
-                var = self._xx - self._x * self._x
-                if var > 1e-9 * max(self._xx, 1.0):
-                    slope = (self._xy - self._x * self._y) / var
-                    if slope > 0:
-                        return 1.0 / slope
-        return self.configured_tokens_per_s
+            points = [(b.t, b.q, b.y) for b in self._buckets.values()]
+            samples = self._samples
+        fitted = _fit(points) if samples >= MIN_PREFILL_SAMPLES else None
+        if fitted is not None:
+            return fitted
+        rate = self.configured_tokens_per_s
+        return None if rate is None else (1.0 / rate, 0.0)
+
+    def tokens_per_s(self) -> float | None:
+        """The per-token rate (``1 / a``: measured, else configured), or ``None``."""
+        coefficients = self.coefficients()
+        return None if coefficients is None else 1.0 / coefficients[0]
 
     def calibrated(self) -> bool:
-        return self.tokens_per_s() is not None
+        return self.coefficients() is not None
 
     def seconds(self, start: int, end: int) -> float:
-        """Expected seconds to compute tokens ``[start, end)`` (0 when not calibrated)."""
-        rate = self.tokens_per_s()
-        return 0.0 if rate is None else max(0, end - start) / rate
+        """Expected seconds to compute tokens ``[start, end)`` of a prompt (0 when not
+        calibrated)."""
+        coefficients = self.coefficients()
+        if coefficients is None or end <= start:
+            return 0.0
+        a, b = coefficients
+        return a * (end - start) + b * (end * end - start * start)
+
+
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Least squares of ``y = c + a·T + b·Q`` over ``(T, Q, y)`` points, one per bucket."""
+    n = len(points)
+    if n < 2:
+        return None
+    mt = sum(t for t, _, _ in points) / n
+    mq = sum(q for _, q, _ in points) / n
+    my = sum(y for _, _, y in points) / n
+    vt = sum((t - mt) ** 2 for t, _, _ in points)
+    vq = sum((q - mq) ** 2 for _, q, _ in points)
+    ctq = sum((t - mt) * (q - mq) for t, q, _ in points)
+    cty = sum((t - mt) * (y - my) for t, _, y in points)
+    cqy = sum((q - mq) * (y - my) for _, q, y in points)
+    if not vt > 0:
+        return None  # every step the same size: no rate to tell
+    det = vt * vq - ctq * ctq
+    if n >= 4 and det > 1e-6 * vt * vq:  # the terms vary apart enough to separate them
+        a = (cty * vq - cqy * ctq) / det
+        b = (cqy * vt - cty * ctq) / det
+        if a > 0 and b >= 0:
+            return a, b
+    a = cty / vt
+    return (a, 0.0) if a > 0 else None
 
 
 def make_policy(name: str) -> LoadPolicy:

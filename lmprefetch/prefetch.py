@@ -11,13 +11,17 @@ Read a lookup top to bottom here:
    prefix after which every other tier rules itself out without I/O), probing is a dictionary
    walk and loading is taking owner references on the cached buffers, so the record holds or
    ends at once, inside ``start_lookup``: no task (a 16-chunk CPU hit in tens of microseconds).
+   The ``never`` policy answers here too, probing nothing.
 3. Otherwise one task runs the lookup (:meth:`Engine._run_lookup`), in its own cancel scope.
    Tiers are probed in order on the keys no earlier tier hit (:meth:`Engine._probe_and_load`);
    a probe pins what it counts, and the pins are registered with the task's exit stack before
    the next checkpoint.  A tier with no hit is skipped; a tier that raises or times out ends
    the prefix there.  Each tier's load starts at once, in the task's nursery, under the
    weighted limiter (weight = chunks), into freshly allocated arena buffers, while the next
-   tier is probed; allocation failure is a shorter prefix, never a wait.
+   tier is probed; allocation failure is a shorter prefix, never a wait.  Under a load policy
+   other than ``always`` (:mod:`lmprefetch.policy`) the loads start once every tier was probed
+   and the policy chose how many hit chunks to load; what it drops is released at once.  The
+   loads stop at the lookup's deadline (or ``load_deadline_s``), keeping what they loaded.
 4. After the loads the chunks loaded *contiguously* from the first chunk go to the record
    (``hold``), everything past the first hole is released at once, and the lookup answers; a
    lookup with nothing to hold answers when its task has released everything (``end``).
@@ -37,7 +41,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from itertools import accumulate
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import msgspec
 import trio
@@ -65,6 +69,12 @@ from .tiers.cpu import CpuTier
 __all__ = ["Engine", "EngineStatistics", "LookupState"]
 
 log = logging.getLogger("lmprefetch.engine")
+
+#: With ``load_deadline_s`` set, a tier's part is loaded in up to this many calls, in order,
+#: so that a cut keeps what already arrived (see :meth:`Engine._load_in_batches`).
+DEADLINE_LOAD_BATCHES: Final = 8
+#: ... and this many of them in flight at once.
+DEADLINE_LOAD_DEPTH: Final = 3
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, gc=False):
@@ -306,19 +316,22 @@ class Engine:
             return rec
         held = self._hits_in_memory(hashes, skip_chunks)
         if held is not None:  # memory answers: no task
-            kpc = self._kpc
-            found = len(held) // kpc
-            keep = 0
             if held:
-                cum = None if type(self.policy) is AlwaysLoad else [0, *accumulate(offsets)]
-                keep = self._decide([(self.cpu, found, True)], cum, skip_chunks)
-            if keep < found:
-                _release_pairs(held[keep * kpc :])
-                del held[keep * kpc :]
+                kpc = self._kpc
+                keep = found = len(held) // kpc
+                if type(self.policy) is AlwaysLoad:  # the hot path: no decision to make
+                    lookups.counters.policy_loaded += 1
+                else:
+                    cum = [0, *accumulate(offsets)]
+                    keep = self._decide([(self.cpu, found, True)], cum, skip_chunks)
+                    if keep < found:
+                        _release_pairs(held[keep * kpc :])
+                        del held[keep * kpc :]
             if held:
-                hit = skip_chunks + keep
-                rec.tier_tokens = ((self.cpu.name, sum(offsets[skip_chunks:hit])),)
-                rec.hold(held, sum(offsets[:hit]))
+                hit_tokens = sum(offsets[: skip_chunks + keep])
+                skipped = sum(offsets[:skip_chunks]) if skip_chunks else 0
+                rec.tier_tokens = ((self.cpu.name, hit_tokens - skipped),)
+                rec.hold(held, hit_tokens)
             else:
                 rec.end(sum(offsets[:skip_chunks]) if skip_chunks else 0)
             return rec
@@ -535,14 +548,12 @@ class Engine:
             kept.extend(zip(part.keys[:keep], part.buffers[:keep]))
             part.buffers = part.buffers[keep:]
             part.release_buffers()
-            if part.loaded:
-                tokens = cum[total + part.loaded] - cum[total]
-                if sources and sources[-1][0] == part.tier.name:
-                    tokens += sources.pop()[1]
-                sources.append((part.tier.name, tokens))
+            if part.loaded:  # each tier has one part: its name appears once
+                sources.append((part.tier.name, cum[total + part.loaded] - cum[total]))
             total += part.loaded
             hole = part.loaded < part.n_chunks
-        if hole and budget.cancelled_caught:
+        if budget.cancelled_caught and (hole or next_chunk < n_chunks):
+            # The deadline cut a load, or a probe that might have found more.
             self._lookups.counters.deadline_cut += 1
         rec.tier_tokens = tuple(sources)
         return total, kept
@@ -569,24 +580,89 @@ class Engine:
                 part.buffers = self.arena.allocate_many(want)
                 usable = len(part.buffers) // kpc * kpc
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
-                if usable:
+                if usable and self.config.load_deadline_s is not None and usable > kpc:
+                    await self._load_in_batches(part, usable // kpc)
+                    part.release_buffers(part.loaded * kpc)
+                elif usable:
                     got = await self._tier_load(part.tier, part.keys[:usable], part.buffers)
                     part.loaded = got // kpc
                     part.release_buffers(part.loaded * kpc)
         finally:
             part.pins.release()
 
+    async def _load_in_batches(self, part: _Part, chunks: int) -> None:
+        """Load a part's first ``chunks`` chunks in up to :data:`DEADLINE_LOAD_BATCHES`
+        calls, in order, :data:`DEADLINE_LOAD_DEPTH` at a time (which hides a call's round
+        trip behind the previous call's transfer), so that when ``load_deadline_s`` cancels
+        the loads, ``part.loaded`` is the prefix already in memory, not nothing.
+
+        ``part.loaded`` moves forward as each batch ends, over the batches that ended whole
+        and in order.  The tier's throughput is measured over the part (the bytes of that
+        prefix over the time since the first call), also when the deadline cuts it: batches
+        run side by side, so one batch's time would count the link's share of the others."""
+        kpc = self._kpc
+        tier = part.tier
+        per = -(-chunks // DEADLINE_LOAD_BATCHES)
+        bounds = [(lo, min(lo + per, chunks)) for lo in range(0, chunks, per)]
+        filled: list[int | None] = [None] * len(bounds)  # whole chunks from each batch's first
+        slots = trio.Semaphore(DEADLINE_LOAD_DEPTH)
+        short = False  # a batch ended short: the batches after it cannot extend the prefix
+
+        def advance() -> None:
+            loaded = 0
+            for (lo, hi), got in zip(bounds, filled):
+                if got is None:
+                    break
+                loaded += got
+                if lo + got < hi:
+                    break
+            part.loaded = loaded
+
+        async def load_batch(index: int) -> None:
+            nonlocal short
+            lo, hi = bounds[index]
+            try:
+                got = await self._tier_load(
+                    tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc],
+                    observe=False,
+                )  # fmt: skip
+                filled[index] = got // kpc
+                short = short or lo + got // kpc < hi
+                advance()
+            finally:
+                slots.release()
+
+        t0 = trio.current_time()
+        try:
+            async with trio.open_nursery() as batches:
+                for index in range(len(bounds)):
+                    await slots.acquire()
+                    if short:
+                        slots.release()
+                        break
+                    batches.start_soon(load_batch, index)
+        finally:
+            if part.loaded:
+                n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
+                tier.stats.observe_load(n_bytes, trio.current_time() - t0)
+
     async def _tier_load(
-        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
+        self,
+        tier: Tier,
+        keys: Sequence[ChunkKey],
+        buffers: Sequence[Buffer],
+        *,
+        observe: bool = True,
     ) -> int:
         """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
-        when the tier raises or times out (the prefix ends at this tier; D05)."""
+        when the tier raises or times out (the prefix ends at this tier; D05).  ``observe``:
+        the call's bytes and time feed the tier's throughput estimate."""
         t0 = trio.current_time()
         tier.stats.load_started(t0)
         try:
             with trio.move_on_after(self.config.tier_timeout_s):
                 got = max(0, min(await tier.load(keys, buffers), len(keys)))
-                if got:
+                if got and observe:
                     n_bytes = sum(len(buf.view()) for buf in buffers[:got])
                     tier.stats.observe_load(n_bytes, trio.current_time() - t0)
                 return got

@@ -82,6 +82,7 @@ CHUNK_BYTES = 256
 #: Mock-clock seconds after which a run counts as hung.
 HANG_S = 100_000.0
 CLAIM_TTL_S = 50.0
+DEADLINE_S = 5.0  # load_deadline_s where a scenario sets it
 
 
 # -- deterministic scheduling ----------------------------------------------------------------
@@ -658,6 +659,21 @@ def disk_file(name: str, chunk: int, how: str) -> Disturbance:
     return act
 
 
+def pass_load_deadline(w: World) -> None:
+    """Jump the clock past every running lookup's ``load_deadline_s`` (:data:`DEADLINE_S`)."""
+    assert w.clock is not None
+    w.clock.jump(DEADLINE_S + 1)
+
+
+class DropLast:
+    """A load policy that always drops the hit's last chunk (named in a scenario's config as
+    ``tests.schedules:DropLast``): every lookup truncates, so the explorer walks the path
+    where loads start after the policy decided and dropped chunks' pins are released."""
+
+    def chunks_to_load(self, request: Any) -> int:
+        return max(0, int(request.hit_chunks) - 1)
+
+
 def take_arena(w: World) -> None:
     """Take every free arena slot (released when the operations end)."""
     w.pressure.extend(w.engine.arena.allocate_many(w.engine.arena.free_slots))
@@ -966,6 +982,27 @@ def scenarios() -> list[Scenario]:
                 "delete_3": disk_file("P", 3, "delete"),
                 "take_arena": take_arena,
                 "close": close_engine,
+            },
+        ),
+        Scenario(
+            "policy_deadline",
+            prompts={"P": P, "Q": Q},
+            cpu={"P": 2},
+            disk={"P": 5},
+            remote={"P": 6},
+            config={"load_policy": "tests.schedules:DropLast", "load_deadline_s": DEADLINE_S},
+            operations={
+                "A": await_lookup("a", "P", scope="a"),
+                "B": start_lookup("b", "Q"),
+            },
+            disturbances={
+                "deadline": pass_load_deadline,
+                "cancel_a": cancel("a"),
+                "caller_a": cancel_scope("a"),
+                "reuse_b": reuse("b", "Q"),
+                "fail": fail_remote,
+                "close": close_engine,
+                "delete_3": disk_file("P", 3, "delete"),
             },
         ),
         Scenario(

@@ -630,7 +630,9 @@ async def test_held_results_expire_in_the_order_of_their_deadlines(
         assert [engine.lookup_state(f"h{i}") for i in range(3)] == [LookupState.HELD] * 3
         await trio.sleep_until(100 + TTL_S + 0.5)
         assert [engine.lookup_state(f"h{i}") for i in range(3)] == [
-            None, LookupState.HELD, LookupState.HELD
+            None,
+            LookupState.HELD,
+            LookupState.HELD,
         ]
         await trio.sleep_until(102 + TTL_S + 0.5)
         assert [engine.lookup_state(f"h{i}") for i in range(3)] == [None] * 3

@@ -37,6 +37,7 @@ class FakeClient:
         self.answers: dict[str, int] = {}
         self.live: set[str] = set()
         self.sent = 0
+        self.splits: dict[str, list[tuple[str, int]]] = {}
 
     def lookup(
         self,
@@ -83,6 +84,10 @@ class FakeClient:
 
     def cancel(self, lookup_id: str) -> None:
         self._drop(lookup_id)
+
+    def tier_tokens(self, lookup_id: str) -> list[tuple[str, int]]:
+        """The tiers that served an answered lookup: :attr:`splits` by id, else none."""
+        return self.splits.get(lookup_id, []) if lookup_id in self.answers else []
 
 
 def _group(index: int, kind: str, window: int | None = None) -> KVGroup:
@@ -202,3 +207,20 @@ def test_a_cancelled_request_holds_nothing(s: dict[str, Any]) -> None:
     lookup.poll()
     lookup.cancel()
     assert client.live == set()
+
+
+def test_hit_sources_come_from_the_prefix_lookup_in_tokens() -> None:
+    """Two full-attention groups: the prefix lookup's keys interleave them (two keys per
+    chunk), so its split, counted in keys' tokens, halves into the request's tokens."""
+    groups = KVGroups((_group(0, "full"), _group(2, "full")), False, None, 16)
+    chain = [11, 12, 13, 14]
+    stored = {group_hash(g.identity, h) for g in groups.groups for h in chain}
+    client = FakeClient(stored, [])
+    client.splits["r|lmp-full"] = [("cpu", 4 * CS), ("disk", 4 * CS)]  # keys 0-3, 4-7
+    lookup = HybridLookup("r", client, groups, CS, chain, 4 * CS + 1, 0)  # type: ignore[arg-type]
+    lookup.start()
+    assert lookup.poll() == 4 * CS
+    assert lookup.sources(0, 4 * CS) == {"cpu": 2 * CS, "disk": 2 * CS}
+    assert lookup.sources(CS, 3 * CS) == {"cpu": CS, "disk": CS}
+    lookup.keep_used()
+    assert lookup.sources(0, 4 * CS) == {}  # forgotten: the split is gone with the lookup

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import trio
 
 from lmprefetch import PrefetchConfig, open_engine
+from lmprefetch.keys import ChunkKey
+from lmprefetch.memory import Buffer
 from lmprefetch.policy import (
     AlwaysLoad,
     CostPolicy,
@@ -116,6 +120,65 @@ def test_prefill_model_fits_the_rate_beside_a_fixed_step_overhead() -> None:
     rate = model.tokens_per_s()
     assert rate is not None and rate == pytest.approx(4000, rel=1e-6)
     assert model.seconds(0, 400) == pytest.approx(0.1, rel=1e-6)
+
+
+def test_prefill_model_separates_attention_from_the_per_token_term() -> None:
+    """Steps of one request at growing context (chunked prefill) and short decode steps: the
+    fit finds both terms, and a late span of a prompt costs more than an early one."""
+    a, b = 1 / 8000, 2e-8  # seconds per token, per unit of attention work
+    model = PrefillModel()
+    for c, n in [(0, 512), (512, 512), (1024, 512), (1536, 256), (1792, 1), (1793, 1), (0, 64)]:
+        q = (c + n) ** 2 - c**2
+        model.observe_step(n, 0.003 + a * n + b * q, attention=q)
+    coefficients = model.coefficients()
+    assert coefficients is not None
+    assert coefficients[0] == pytest.approx(a, rel=1e-6)
+    assert coefficients[1] == pytest.approx(b, rel=1e-6)
+    late = model.seconds(1536, 2048)
+    assert late == pytest.approx(a * 512 + b * (2048**2 - 1536**2), rel=1e-6)
+    assert late > 1.4 * model.seconds(0, 512)  # the same 512 tokens, at a longer context
+    assert model.seconds(0, 512) == pytest.approx(a * 512 + b * 512**2, rel=1e-6)
+
+
+def test_a_slow_hit_skipped_early_in_a_prompt_is_loaded_late_in_a_long_one() -> None:
+    """Attention makes late tokens dearer: the same 4 slow chunks (72 ms to load) are not
+    worth loading after 0 tokens (33 ms to compute) but are after 6,000 (95 ms)."""
+    a, b = 1 / 8000, 2e-8
+    prefill = PrefillModel()
+    for c, n in [(0, 512), (512, 512), (1024, 512), (1536, 256), (1792, 1), (0, 64)]:
+        q = (c + n) ** 2 - c**2
+        prefill.observe_step(n, 0.003 + a * n + b * q, attention=q)
+    slow = HitPart("slow", 4, 4 * PAYLOAD, False, SLOW)
+
+    def request(computed: int) -> LoadRequest:
+        return LoadRequest((slow,), (CS,) * 4, computed, computed + 5 * CS, prefill)
+
+    assert CostPolicy().chunks_to_load(request(0)) == 0
+    assert CostPolicy().chunks_to_load(request(6000)) == 4
+
+
+def test_prefill_model_keeps_the_long_prefills_through_many_decode_steps() -> None:
+    """A server decodes far more steps than it prefills prompts: hundreds of one- and
+    two-token steps (their time a few ms of jitter around the overhead) after three long
+    prefills must not turn the rate into the jitter's slope.  (An average over steps did:
+    the cost policy then swung between loading and skipping from one request to the next.)"""
+    model = PrefillModel()
+    for tokens in (2048, 1024, 2080):
+        model.observe_step(tokens, 0.005 + tokens / 4000)
+    jitter = [0.002, -0.001, 0.0015, -0.002, 0.0005, 0.001, -0.0015]
+    for i in range(300):
+        tokens = 1 + i % 2
+        model.observe_step(tokens, 0.005 + tokens / 4000 + jitter[i % len(jitter)])
+    rate = model.tokens_per_s()
+    assert rate is not None and rate == pytest.approx(4000, rel=0.05)
+    assert model.seconds(0, 2048) == pytest.approx(2048 / 4000, rel=0.05)
+
+
+def test_prefill_model_falls_back_to_tokens_alone_when_attention_is_unknown() -> None:
+    model = PrefillModel()
+    for tokens in (16, 512, 64, 1024):
+        model.observe_step(tokens, 0.005 + tokens / 4000)  # no attention work reported
+    assert model.coefficients() == pytest.approx((1 / 4000, 0.0))
 
 
 def test_prefill_model_uses_the_configured_rate_until_measured() -> None:
@@ -277,6 +340,57 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         eng.cancel("d")
 
 
+async def test_the_load_deadline_keeps_the_part_of_one_tier_that_arrived(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """One slow tier holds the whole hit (8 chunks: 20 ms a call, 13 ms a chunk on the link,
+    about 125 ms in one call).  A 100 ms deadline cuts its load: the chunks already in memory
+    are the answer (the tier's part is loaded in batches, in order), not nothing, and the rest
+    is released.  The link's rate is measured over what arrived."""
+    async with engine_with(_config(load_deadline_s=0.100), _slow()) as eng:
+        slow = eng.tiers[-1]
+        assert isinstance(slow, ThrottledTier)
+        prompt, data = _prompt(8, 9), _data(8, 9)
+        hashes = await put_in(slow, eng, prompt, data)
+        hit = await eng.lookup_and_prefetch("p", hashes, [CS] * 8)
+        assert CS <= hit < 8 * CS and hit % CS == 0
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.stats()["pinned_chunks"] == 0
+        assert eng.stats()["limiter_used"] == 0
+        with eng.claim("p") as got:
+            assert [bytes(b.view()) for _, b in got] == data[: hit // CS]
+        rate = eng.stats()["tiers"]["slow"]["load_bytes_per_s_ewma"]
+        assert rate is not None and 2 * MB < rate < 10 * MB
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_cut_keeps_no_batch_after_one_that_had_not_arrived(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The batch holding the first chunk never answers while the later ones do: the cut
+    answers 0 (a later batch's chunks are no prefix) and releases everything."""
+
+    class FirstBatchStalls(ThrottledTier):
+        async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+            if keys[0] == self.first:
+                await trio.sleep_forever()
+            return await super().load(keys, buffers)
+
+    stalls = FirstBatchStalls("slow", bytes_per_s=100 * MB, rtt_s=0.001)
+    async with engine_with(_config(load_deadline_s=0.100), stalls) as eng:
+        prompt, data = _prompt(8, 10), _data(8, 10)
+        hashes = await put_in(stalls, eng, prompt, data)
+        stalls.first = eng.keys.keys(hashes)[0]
+        assert await eng.lookup_and_prefetch("s", hashes, [CS] * 8) == 0
+        assert stalls.stats.chunks_loaded >= 2  # later batches did arrive
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.stats()["pinned_chunks"] == 0
+        assert eng.stats()["limiter_used"] == 0
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
 def test_the_tier_split_travels_from_worker_to_client() -> None:
     """A worker's answer says which tiers served the hit; the client hands it to the
     scheduler (``LookupClient.tier_tokens``), for vLLM's hit counts by source."""
@@ -314,3 +428,64 @@ def test_the_custom_policy_in_the_docs_works() -> None:
     redis = HitPart("redis", 4, 4 * PAYLOAD, False, SLOW)
     assert policy.chunks_to_load(_request([cpu, disk, redis], None)) == 5
     assert policy.chunks_to_load(_request([redis, cpu], None)) == 0
+
+
+def test_the_policy_fields_load_from_toml_and_the_environment(tmp_path: Path) -> None:
+    toml = tmp_path / "lmprefetch.toml"
+    toml.write_text(
+        '[lmprefetch]\nload_policy = "cost"\nload_deadline_s = 0.25\nprefill_tokens_per_s = 5000\n'
+    )
+    config = PrefetchConfig.from_file(toml)
+    assert (config.load_policy, config.load_deadline_s, config.prefill_tokens_per_s) == (
+        "cost",
+        0.25,
+        5000.0,
+    )
+    env = {
+        "LMPREFETCH_LOAD_POLICY": "tests.test_policy:HalfPolicy",
+        "LMPREFETCH_LOAD_DEADLINE_S": "1.5",
+    }
+    config = PrefetchConfig.from_env(env)
+    assert (config.load_policy, config.load_deadline_s) == ("tests.test_policy:HalfPolicy", 1.5)
+    assert PrefetchConfig().load_policy == "always"
+    assert PrefetchConfig().load_deadline_s is None
+    with pytest.raises(ValueError, match="^load_policy"):
+        PrefetchConfig.from_env({"LMPREFETCH_LOAD_POLICY": "sometimes"})
+    with pytest.raises(ValueError, match="^load_deadline_s"):
+        PrefetchConfig.from_dict({"load_deadline_s": 0})
+
+
+async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc.Clock) -> None:
+    slow = _slow()  # a probe takes 20 ms
+    async with engine_with(_config(load_deadline_s=0.010), slow) as eng:
+        prompt, data = _prompt(4, 7), _data(4, 7)
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
+        for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
+            slow.data[key] = payload
+        assert await eng.lookup_and_prefetch("p", hashes, [CS] * 4) == 2 * CS
+        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert slow.loads_started == 0
+        eng.cancel("p")
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_hit_over_two_tiers_says_which_served_what(autojump_clock: trio.abc.Clock) -> None:
+    slow = _slow()
+    async with engine_with(_config(), slow) as eng:
+        prompt, data = _prompt(5, 8), _data(5, 8)
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
+        for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
+            slow.data[key] = payload
+        assert await eng.lookup_and_prefetch("t", hashes, [CS] * 5) == 5 * CS
+        assert eng.lookup_tier_tokens("t") == (("cpu", 2 * CS), ("slow", 3 * CS))
+        # Chunks the engine already holds are not counted: the split covers the rest.
+        assert await eng.lookup_and_prefetch("u", hashes, [CS] * 5, skip_chunks=3) == 5 * CS
+        assert eng.lookup_tier_tokens("u") == (("slow", 2 * CS),)
+        eng.cancel("t")
+        eng.cancel("u")
+        assert eng.lookup_tier_tokens("t") == ()
+        await eng.wait_quiet()
+        assert_conserved(eng)

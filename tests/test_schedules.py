@@ -218,3 +218,30 @@ def test_the_state_table_is_the_docstrings() -> None:
     table, which the explorer checks every observed transition against."""
     assert schedules.STATE_TABLE == lookup.TRANSITIONS
     assert len(schedules.STATE_TABLE) == 8
+
+
+def test_bites_a_truncation_that_forgets_the_dropped_chunks() -> None:
+    """A policy's truncation that drops the tail of a part's buffers without releasing them
+    (the part no longer owns them, nobody else does): the explorer sees arena bytes left over
+    at quiescence."""
+
+    def leaky_truncate(self: prefetch._Part, n_chunks: int, kpc: int) -> None:
+        self.n_chunks = n_chunks
+        self.keys = self.keys[: n_chunks * kpc]
+        self.pins.release_from(n_chunks * kpc)
+        self.buffers = self.buffers[: n_chunks * kpc]  # the bug: the tail is not released
+        self.loaded = min(self.loaded, n_chunks)
+
+    s = schedules.by_name("policy_deadline")
+    s.disturbances = {"deadline": s.disturbances["deadline"]}
+    # The CPU part is the last (a remote tier that holds nothing is probed in a task): its
+    # zero-copy references are what the policy drops.
+    s.cpu = {"P": 4}
+    s.disk = {}
+    s.remote = {"Q": 0}
+    with (
+        _patched(prefetch._Part, "truncate", leaky_truncate),
+        _patched(schedules, "by_name", lambda name: s),
+    ):
+        report = _find([s])
+    assert any("arena" in v for v in report.violations), report.describe()

@@ -1195,6 +1195,10 @@ def test_the_workers_calibrate_the_prefill_model_from_their_steps(make_harness: 
     assert prefill.samples == 0
     h.add("a", tokens_of(45, 100), max_tokens=3)
     h.wait_answer("a")
+    meta = h.step().kv_connector_metadata  # the prefill: 100 tokens from 0
+    assert (meta.scheduled_tokens, meta.scheduled_attention) == (100, 100**2)
+    meta = h.step().kv_connector_metadata  # a decode step: 1 token after 100
+    assert (meta.scheduled_tokens, meta.scheduled_attention) == (1, 101**2 - 100**2)
     h.run_until_finished("a")
     assert prefill.samples == 3  # the prefill step and two decode steps
 

@@ -172,6 +172,70 @@ def test_same_tokens_with_and_without_lmprefetch_and_cached_tokens_served(
     assert with_connector["client"]["timeouts"] == 0
 
 
+def test_load_limits_per_request_and_hit_sources_by_tier(tmp_path: Path) -> None:
+    """Real vLLM (CPU build) with the connector, a disk tier and the ``cost`` load policy: a
+    request with ``max_load_tokens`` 64 gets 64 external tokens, 0 and ``skip_load`` get none,
+    a request without limits gets every whole chunk; vLLM's prompt tokens by source say
+    ``host`` for CPU tier hits and ``disk`` once only the disk tier holds the chunks."""
+    example = load_example()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(example.TINY_LLAMA))
+    prompt = example.prompts()[0]  # 200 tokens: 3 whole 64-token chunks
+    ktc = example.kv_transfer_config()
+    ktc["kv_connector_extra_config"] = {
+        **ktc["kv_connector_extra_config"],
+        "disk_path": str(tmp_path / "disk"),
+        "load_policy": "cost",  # not calibrated at first: loads like "always"
+    }
+    spec = {
+        "model": str(model),
+        "block_size": 32,
+        "prompts": [prompt],
+        "batches": [[0]] * 7,
+        "batch_params": [
+            None,  # computes and stores 3 chunks
+            [{"max_load_tokens": 64}],
+            [{"max_load_tokens": 0}],
+            [{"skip_load": True}],
+            None,  # every whole chunk, from the CPU tier
+            [{"max_load_tokens": 64}],  # from disk (the CPU tier forgot)
+            None,
+        ],
+        "drop_cpu_before": [5],
+        "max_tokens": 2,
+        "record_sources": True,
+        "kv_transfer_config": ktc,
+    }
+    run = finish(start([str(CHILD), json.dumps(spec)], in_process=True), "RESULT ")
+    cached = [batch[0]["cached_tokens"] for batch in run["batches"]]
+    # CPU tier hits are zero-copy: the cost policy always loads them.
+    assert cached[:5] == [0, 64, 0, 0, 192]
+    # Disk hits: loaded until the policy has measured the engine's prefill rate and the disk
+    # tier; then it loads them only if that is faster than recomputing on this machine now
+    # (the tiny model computes 200 tokens in milliseconds), so either is right here.
+    assert cached[5] in (0, 64) and cached[6] in (0, 192), cached
+    outputs = {tuple(batch[0]["output"]) for batch in run["batches"]}
+    assert len(outputs) == 1  # loaded or computed, the same tokens
+    # vLLM asked the connector which tier served each load (those that loaded something).
+    disk_sources = [{"disk": n} for n in cached[5:] if n]
+    assert run["sources"] == [{"host": 64}, {"host": 192}, *disk_sources]
+    sched = run["scheduler_counters"]
+    assert sched["load_skipped"] == 2
+    assert sched["load_capped"] == 2
+    assert run["client"]["submitted"] == 5  # the skipped requests sent no lookup
+    runtime = run["runtime"]
+    assert runtime["held_lookups"] == 0
+    assert runtime["pinned_chunks"] == 0
+    decisions = runtime["lookups"]
+    assert decisions["policy_loaded"] >= 2  # the CPU tier hits
+    # Every lookup that found chunks was decided once: the 4 hits (2 on disk, maybe skipped).
+    assert decisions["policy_loaded"] + decisions["policy_skipped"] == 4
+    assert decisions["policy_skipped"] == sum(1 for n in cached[5:] if n == 0)
+    worker = run["worker_counters"]
+    assert worker.get("policy_skipped", 0) == decisions["policy_skipped"]
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_each_store_and_load_their_slice(tmp_path: Path) -> None:
     """TP=2: two worker processes, two lmprefetch runtimes with per-rank keys, and the

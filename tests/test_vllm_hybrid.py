@@ -289,11 +289,21 @@ class HybridHarness:
     def runtime(self) -> Any:
         return self.worker.worker_side.runtime
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, **kwargs: Any) -> Request:
+    def add(
+        self,
+        req_id: str,
+        tokens: list[int],
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Request:
+        extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         request = Request(
             request_id=req_id,
             prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
+            ),
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.hash_block, sha256),
             **kwargs,
@@ -565,6 +575,49 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
     assert stats["lookups"]["claimed"] == len(load.claims)
+
+
+@pytest.mark.parametrize("config", ["sw+full", "mamba+full"])
+def test_max_load_tokens_caps_a_hybrid_hit_at_a_chunk_boundary(
+    make_harness: Any, config: str
+) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    h = make_harness(config)
+    prompt = tokens_of(5, 100)
+    h.serve("first", prompt)
+    h.wipe()
+    # 70 (rounded to 64, two chunks): the boundary stays at 64.
+    req = h.add("capped", prompt, kv_transfer_params={"max_load_tokens": 70})
+    hit = h.wait_hit("capped")
+    loads: list[Any] = []
+
+    def check(out: Any) -> None:
+        loads.extend(out.kv_connector_metadata.hybrid_loads)
+        if loads:
+            h.assert_loaded("capped", prompt, 0, 64)
+            sources = h.connector.get_external_cache_hit_sources(req, 64)
+            assert sources == {CacheHitSource.HOST: 64}
+
+    h.step(before_forward=check)
+    if config == "mamba+full":
+        # vLLM handed a Mamba state over at 96 only (the prompt's last chunk boundary), so
+        # no boundary under the cap has one: nothing is loaded.
+        assert (hit, loads) == (0, [])
+    else:
+        [load] = loads
+        assert (hit, load.start_token, load.end_token) == (64, 0, 64)
+    h.run_until_finished("capped")
+    assert h.wrong_states == []
+    h.wipe()
+    # 0: no lookup, nothing loaded.
+    submitted = h.client.stats()["submitted"]
+    h.add("none", prompt, kv_transfer_params={"max_load_tokens": 0})
+    out = h.step()
+    assert out.kv_connector_metadata.hybrid_loads == []
+    assert h.client.stats()["submitted"] == submitted
+    h.run_until_finished("none")
+    assert_worker_idle(h.wait_worker_quiet())
 
 
 def test_a_restore_into_the_wrong_place_is_caught(make_harness: Any) -> None:

@@ -7,6 +7,12 @@ rank and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine runs in this process, a
 connector the line also carries the connector's and the worker runtime's counters (reachable
 because scheduler and worker live here).  With ``tensor_parallel_size`` > 1 the ranks are
 vLLM's worker processes.
+
+Load or recompute (``docs/policy.md``): ``batch_params[b]`` gives each prompt of batch ``b`` its
+``kv_transfer_params`` (or ``null``); ``drop_cpu_before`` lists batches before which the CPU
+tier forgets every chunk (after the disk tier has them), so those batches are served from disk;
+with ``record_sources`` vLLM's stats are on and the line carries what the connector answered to
+vLLM's ``get_external_cache_hit_sources`` calls.
 """
 
 from __future__ import annotations
@@ -38,11 +44,35 @@ def main() -> int:
         tensor_parallel_size=tp,
         distributed_executor_backend="uni" if tp == 1 else "mp",
         kv_transfer_config=ktc,
+        disable_log_stats=not spec.get("record_sources", False),
     )
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False)
+    sources: list[dict[str, int]] = []
+    if spec.get("record_sources"):
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        answer = connector.get_external_cache_hit_sources
+
+        def recording(request: Any, num_external_tokens: int) -> Any:
+            got = answer(request, num_external_tokens)
+            sources.append({str(k.value): int(v) for k, v in got.items()})
+            return got
+
+        connector.get_external_cache_hit_sources = recording
+    batch_params = spec.get("batch_params") or [None] * len(spec["batches"])
     batches = []
-    for batch in spec["batches"]:
+    for b, batch in enumerate(spec["batches"]):
+        if b in spec.get("drop_cpu_before", ()):
+            _drop_cpu_tier()
         prompts = [TokensPrompt(prompt_token_ids=spec["prompts"][i]) for i in batch]
+        per_prompt = batch_params[b] or [None] * len(batch)
+        params = [
+            SamplingParams(
+                max_tokens=spec["max_tokens"],
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": p} if p else None,
+            )
+            for p in per_prompt
+        ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         batches.append(
             [
@@ -50,7 +80,7 @@ def main() -> int:
                 for o in outputs
             ]
         )
-    result: dict[str, Any] = {"batches": batches}
+    result: dict[str, Any] = {"batches": batches, "sources": sources}
     if ktc is not None and tp == 1:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -62,6 +92,22 @@ def main() -> int:
         result["client"] = scheduler.client.stats()
     print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def _drop_cpu_tier() -> None:
+    """Flush the write-behind to disk, then make the CPU tier forget every chunk."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    runtime = get_kv_transfer_group().worker_side.runtime
+    runtime.call(runtime.engine.flush)
+
+    def forget() -> None:
+        cpu = runtime.engine.cpu
+        held = cpu.keys()
+        for key in held:
+            cpu.discard(key)
+
+    runtime.call(forget)
 
 
 if __name__ == "__main__":

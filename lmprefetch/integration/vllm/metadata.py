@@ -123,6 +123,9 @@ class LMPrefetchConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: Tokens the step computes (every request's scheduled tokens): with the step's time,
     #: the workers calibrate the prefill cost the ``cost`` load policy uses.
     scheduled_tokens: int = 0
+    #: Their attention work: ``Σ((c+n)² − c²)`` over the step's requests (``n`` tokens after
+    #: ``c`` computed), the quadratic term of the prefill model.
+    scheduled_attention: int = 0
 
 
 # -- KV events (workers → scheduler; pickled every step) ------------------------------------

@@ -516,8 +516,8 @@ class _SchedulerSide:
         meta = LMPrefetchConnectorMetadata(
             loads=list(self._pending_loads.values()),
             hybrid_loads=list(self._pending_hybrid_loads.values()),
-            scheduled_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
         )
+        self._note_step_work(scheduler_output, meta)
         self._pending_loads.clear()
         self._pending_hybrid_loads.clear()
         if not self._do_save:
@@ -532,6 +532,19 @@ class _SchedulerSide:
                 if spec is not None:
                     meta.saves.append(spec)
         return meta
+
+    def _note_step_work(self, so: Any, meta: LMPrefetchConnectorMetadata) -> None:
+        """The step's tokens and attention work, for the workers' prefill model (the ``cost``
+        load policy): ``request.num_computed_tokens`` is still the pre-step count here."""
+        tokens = attention = 0
+        for req_id, n_scheduled in so.num_scheduled_tokens.items():
+            n = int(n_scheduled)
+            st = self._reqs.get(req_id)
+            c = int(st.request.num_computed_tokens) if st is not None else 0
+            tokens += n
+            attention += (c + n) * (c + n) - c * c
+        meta.scheduled_tokens = tokens
+        meta.scheduled_attention = attention
 
     def _plan_hybrid_saves(self, so: Any, meta: LMPrefetchConnectorMetadata) -> None:
         """Hybrid saves of the step: the prompt chunks the step completes in every attention

@@ -216,7 +216,9 @@ class _WorkerSide:
             engine = self._runtime.engine
         except RuntimeError:  # the runtime failed (reported when it happened)
             return
-        engine.prefill.observe_step(meta.scheduled_tokens, time.perf_counter() - began)
+        engine.prefill.observe_step(
+            meta.scheduled_tokens, time.perf_counter() - began, meta.scheduled_attention
+        )
 
     def _load_hybrid(self, spec: HybridLoadSpec) -> None:
         """Load a hybrid request: every planned key, or none counts (all or nothing); the
