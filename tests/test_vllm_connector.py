@@ -237,17 +237,22 @@ class Harness:
     def block_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
-    def step(self, *, before_forward: Any = None) -> Any:
-        """One engine step: schedule, load, (fake) forward, save, report back."""
+    def step(self, *, before_forward: Any = None, loads_after_forward: bool = False) -> Any:
+        """One engine step: schedule, load, (fake) forward, save, report back.
+
+        ``loads_after_forward``: vLLM's order for a step without synchronous loads (it calls
+        ``start_load_kv`` after launching the forward)."""
         out = self.scheduler.schedule()
         worker = self.worker
         worker.bind_connector_metadata(out.kv_connector_metadata)
-        worker.start_load_kv(
-            ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
-        )
+        context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        if not loads_after_forward:
+            worker.start_load_kv(context)
         if before_forward is not None:
             before_forward(out)
         self.fake_forward(out)
+        if loads_after_forward:
+            worker.start_load_kv(context)
         for name in LAYERS:
             worker.wait_for_layer_load(name)
             worker.save_kv_layer(name, self.caches[name], None)
@@ -1201,6 +1206,40 @@ def test_the_workers_calibrate_the_prefill_model_from_their_steps(make_harness: 
     assert (meta.scheduled_tokens, meta.scheduled_attention) == (1, 101**2 - 100**2)
     h.run_until_finished("a")
     assert prefill.samples == 3  # the prefill step and two decode steps
+
+
+def test_the_step_time_is_the_forward_whichever_side_of_it_vllm_starts_the_loads(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM starts a step's loads after the forward when none of them is synchronous: the
+    prefill model must still get the forward's time (it got ~0, and the cost policy took
+    recomputing for free), measured from the metadata's binding, less the loads."""
+    from types import SimpleNamespace
+
+    from lmprefetch.integration.vllm import worker as worker_module
+
+    now = [1000.0]
+    monkeypatch.setattr(worker_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    h = make_harness()
+    prefill = h.runtime.engine.prefill
+    seen: list[tuple[int, float]] = []
+    observe = prefill.observe_step
+
+    def spy(tokens: int, seconds: float, attention: int = 0) -> None:
+        seen.append((tokens, seconds))
+        observe(tokens, seconds, attention)
+
+    monkeypatch.setattr(prefill, "observe_step", spy)
+    h.add("a", tokens_of(47, 100), max_tokens=3)
+    h.wait_answer("a")
+
+    def forward(out: Any) -> None:
+        now[0] += 0.25
+
+    h.step(before_forward=forward, loads_after_forward=True)  # the prefill
+    h.step(before_forward=forward)  # a decode step, loads first
+    assert seen == [(100, pytest.approx(0.25)), (1, pytest.approx(0.25))]
+    h.run_until_finished("a")
 
 
 def test_connector_counters_reach_vllms_prometheus_hook() -> None:

@@ -158,6 +158,11 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_began()  # the step's forward follows: its time is measured
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, LMPrefetchConnectorMetadata)

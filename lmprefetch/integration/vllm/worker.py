@@ -75,6 +75,7 @@ class _WorkerSide:
         self._kv_events = kv_events_wanted(vllm_config, config)
         self.counters = _Counters()
         self._step_began: float | None = None
+        self._step_load_s = 0.0  # time this step spent in start_load_kv
         #: The engine's policy counters as last reported (stats report the increase).
         self._policy_seen: dict[str, int] = {}
 
@@ -197,13 +198,21 @@ class _WorkerSide:
             raise ValueError(f"LMPrefetchConnector (derived {sorted(changes)}): {exc}") from None
 
     # -- loads ----------------------------------------------------------------------------
+    def step_began(self) -> None:
+        """vLLM bound this step's metadata: its forward follows (the step's compute time
+        runs from here to :meth:`wait_for_save`, less the loads in between).  vLLM calls
+        ``start_load_kv`` before the forward only when the step has synchronous loads, and
+        after it otherwise, so that call cannot mark the forward's start."""
+        self._step_began = time.perf_counter()
+        self._step_load_s = 0.0
+
     def start_load_kv(self, meta: LMPrefetchConnectorMetadata) -> None:
+        t0 = time.perf_counter()
         for spec in meta.loads:
             self._load(spec)
         for hybrid in meta.hybrid_loads:
             self._load_hybrid(hybrid)
-        # The forward runs from here to wait_for_save: the step's compute time.
-        self._step_began = time.perf_counter()
+        self._step_load_s += time.perf_counter() - t0
 
     def _observe_step(self, meta: LMPrefetchConnectorMetadata) -> None:
         """Feed the engine's prefill model (the ``cost`` load policy) with the step's tokens
@@ -217,7 +226,9 @@ class _WorkerSide:
         except RuntimeError:  # the runtime failed (reported when it happened)
             return
         engine.prefill.observe_step(
-            meta.scheduled_tokens, time.perf_counter() - began, meta.scheduled_attention
+            meta.scheduled_tokens,
+            time.perf_counter() - began - self._step_load_s,
+            meta.scheduled_attention,
         )
 
     def _load_hybrid(self, spec: HybridLoadSpec) -> None:
