@@ -411,6 +411,12 @@ class Engine:
             except Exception:
                 log.exception("load policy %r failed; loading the whole hit", policy)
                 keep = found
+        if found and type(policy) is not AlwaysLoad and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "load policy %s: %d of %d hit chunks; tiers %s; prefill (s/token, s/attention) %s",
+                type(policy).__name__, keep, found,
+                [(t.name, n, t.stats.cost()) for t, n, _ in parts], self.prefill.coefficients(),
+            )  # fmt: skip
         if not found:
             pass
         elif keep == found:
