@@ -213,7 +213,7 @@ async def test_a_process_not_ready_in_time_is_stopped() -> None:
     assert proc.pid is not None and not _alive(proc.pid)
     # The error carries the log as it was (on a busy machine the child may not have printed
     # anything within 0.5 s: the test asserts what was caught, not that it was caught).
-    head, sep, logged = str(raised.value).partition("its last log lines:\n")
+    _, sep, logged = str(raised.value).partition("its last log lines:\n")
     assert sep and proc.log_tail().startswith(logged)  # then the stop's own lines, if any
 
 
