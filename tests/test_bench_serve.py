@@ -200,7 +200,13 @@ async def test_a_process_that_exits_before_ready_is_an_error_with_its_log() -> N
 
 
 async def test_a_process_not_ready_in_time_is_stopped() -> None:
-    argv = [sys.executable, "-c", "import signal; print('starting', flush=True); signal.pause()"]
+    # SIGINT's default handler, explicitly: a child started from a background job of a
+    # non-interactive shell inherits SIGINT ignored, and would then wait out stop()'s grace.
+    child = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler);"
+        " print('starting', flush=True); signal.pause()"
+    )
+    argv = [sys.executable, "-c", child]
     proc = ManagedProcess("slow", argv, dict(os.environ), "READY")
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
