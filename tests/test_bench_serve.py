@@ -82,6 +82,10 @@ def test_preflight_passes_when_everything_is_there(monkeypatch: pytest.MonkeyPat
         (["--scenarios", "recompute,nonsense"], "scenarios"),
         (["--kv-pool-tokens", "64"], "kv_pool_tokens"),
         (["--docs", "0"], "docs"),
+        (["--slow-link-rate", "0"], "slow_link_rate"),
+        (["--slow-link-rate", "nan"], "slow_link_rate"),
+        (["--slow-link-delay-ms", "-1"], "slow_link_delay_s"),
+        (["--scenarios", "slow_remote_sometimes"], "scenarios"),
     ],
 )
 def test_bad_options_one_line_naming_the_field_and_exit_2(

@@ -280,23 +280,6 @@ def test_scenarios_and_the_slow_link_from_the_command_line() -> None:
     assert not _needs_private_netns(fast_only)
 
 
-@pytest.mark.parametrize(
-    ("argv", "field"),
-    [
-        (["--slow-link-rate", "0"], "slow_link_rate"),
-        (["--slow-link-rate", "nan"], "slow_link_rate"),
-        (["--slow-link-delay-ms", "-1"], "slow_link_delay_s"),
-        (["--scenarios", "slow_remote_sometimes"], "scenarios"),
-    ],
-)
-def test_bad_link_options_one_line_naming_the_field(
-    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(["bench-serve", "--quick", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"lmprefetch: {field}:"), err
-
-
 def test_the_measured_servers_cpu_tier_cannot_keep_a_document_until_it_returns() -> None:
     from lmprefetch.bench.serve.model import kv_bytes_per_token
     from lmprefetch.bench.serve.run import link_cpu_bytes
