@@ -21,7 +21,7 @@ import trio
 from lmprefetch.bench.serve.client import Completion, complete, metrics_delta, scrape_metrics
 from lmprefetch.bench.serve.model import TINY_LLAMA, kv_bytes_per_token
 from lmprefetch.bench.serve.procs import ManagedProcess, ProcessSet, free_port
-from lmprefetch.bench.serve.run import base_env, private_dirs, server_argv
+from lmprefetch.bench.serve.servers import base_env, private_dirs, server_argv
 
 CHUNK = 64
 BLOCK = 32
