@@ -14,24 +14,17 @@ condition variable, ``Engine.wait_quiet`` on a Trio event.
 from __future__ import annotations
 
 import json
-import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from .vllm_support import model_runner_output, vllm_imports
 
-# vLLM and torch warn (deprecations) while importing; the suite turns warnings into errors.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    trio = pytest.importorskip("trio")
-
+with vllm_imports():
+    import torch
+    import trio
     from vllm import SamplingParams
     from vllm.config import (
         CacheConfig,
@@ -54,7 +47,7 @@ with warnings.catch_warnings():
     )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -263,7 +256,7 @@ class Harness:
         stats = worker.get_kv_connector_stats()
         worker.clear_connector_metadata()
         ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(
+        mro = model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
@@ -395,7 +388,7 @@ def test_pending_lookup_keeps_request_waiting_and_others_run(make_harness: Any) 
         assert "long" not in scheduled
         h.scheduler.update_from_output(
             out,
-            ModelRunnerOutput(
+            model_runner_output(
                 req_ids=list(out.num_scheduled_tokens),
                 req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
                 sampled_token_ids=[[7] for _ in out.num_scheduled_tokens],
@@ -954,13 +947,30 @@ def test_lmprefetch_event_batches_are_vllm_event_batches() -> None:
     assert theirs.ts == 12.5 and len(theirs.events) == 3
     for mine, vllms in zip(batch.events, theirs.events):
         assert type(mine).__name__ == type(vllms).__name__
-        assert msgspec.structs.asdict(mine) == {
-            k: v for k, v in msgspec.structs.asdict(vllms).items() if k in mine.__struct_fields__
-        }
+        common = set(mine.__struct_fields__) & set(vllms.__struct_fields__)
+        assert {k: getattr(mine, k) for k in common} == {k: getattr(vllms, k) for k in common}
     assert ours.decode_batch(msgspec.msgpack.encode(theirs)) == batch
-    # The mirror is complete: every field of vLLM's events is in lmprefetch's schema.
-    assert set(ours.BlockStored.__struct_fields__) == set(BlockStored.__struct_fields__)
-    assert set(ours.BlockRemoved.__struct_fields__) == set(BlockRemoved.__struct_fields__)
+    # The mirror is complete: every field of vLLM's events is in lmprefetch's schema (vLLM
+    # 0.34's); an older vLLM lacks only the fields newer releases added.
+    for mine_cls, vllm_cls in ((ours.BlockStored, BlockStored), (ours.BlockRemoved, BlockRemoved)):
+        assert set(vllm_cls.__struct_fields__) <= set(mine_cls.__struct_fields__)
+        assert set(mine_cls.__struct_fields__) - set(vllm_cls.__struct_fields__) <= NEWER_FIELDS
+
+
+#: Event fields of lmprefetch's schema (vLLM 0.34's) that older supported vLLMs lack.
+NEWER_FIELDS = {"lookahead_token_ids"}  # vLLM 0.33
+
+
+def test_events_reach_vllm_without_the_fields_it_lacks() -> None:
+    """The connector hands vLLM its own event classes with the fields that vLLM has: a field
+    newer than the installed vLLM is left out, not passed to a constructor that rejects it."""
+    from lmprefetch import events as ours
+    from lmprefetch.integration.vllm.connector import _to_vllm_event
+
+    event = ours.BlockStored([1], None, [5], 2, None, "CPU", None, lookahead_token_ids=None)
+    converted = _to_vllm_event(event)
+    assert type(converted) is BlockStored
+    assert converted.block_hashes == [1] and converted.medium == "CPU"
 
 
 def test_kv_events_can_be_turned_off(make_harness: Any) -> None:
@@ -1092,7 +1102,8 @@ def _stored(h: Any, seed: int, n: int = 100) -> list[int]:
 def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     make_harness: Any,
 ) -> None:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    # vLLM 0.32's names for a hit's source (older vLLMs never ask for them).
+    CacheHitSource = pytest.importorskip("vllm.v1.metrics.cache_hit_source").CacheHitSource
 
     h = make_harness()
     prompt = _stored(h, 40)
@@ -1173,7 +1184,8 @@ def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
 
 
 def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    # vLLM 0.32's names for a hit's source (older vLLMs never ask for them).
+    CacheHitSource = pytest.importorskip("vllm.v1.metrics.cache_hit_source").CacheHitSource
 
     extra = {"disk_path": str(tmp_path / "disk")}
     prompt = tokens_of(44, 100)

@@ -20,7 +20,6 @@ import logging
 import os
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,15 +28,11 @@ from typing import Any
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from .vllm_support import model_runner_output, vllm_imports
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    trio = pytest.importorskip("trio")
-
+with vllm_imports():
+    import torch
+    import trio
     from vllm import SamplingParams
     from vllm.config import (
         CacheConfig,
@@ -68,7 +63,7 @@ with warnings.catch_warnings():
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -333,7 +328,7 @@ class HybridHarness:
         # A step that ends inside the prompt samples nothing (as vLLM's model runner).
         reqs = self.scheduler.requests
         sampled = [[7] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
-        mro = ModelRunnerOutput(
+        mro = model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled,
@@ -581,7 +576,8 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
 def test_max_load_tokens_caps_a_hybrid_hit_at_a_chunk_boundary(
     make_harness: Any, config: str
 ) -> None:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    # vLLM 0.32's names for a hit's source (older vLLMs never ask for them).
+    CacheHitSource = pytest.importorskip("vllm.v1.metrics.cache_hit_source").CacheHitSource
 
     h = make_harness(config)
     prompt = tokens_of(5, 100)
@@ -1138,13 +1134,14 @@ def test_a_state_goes_into_the_boundary_block_and_every_block_after_it() -> None
 
 
 def test_the_connector_module_imports_on_a_vllm_without_hma_support() -> None:
+    """Without ``SupportsHMA`` the connector is a plain connector (vLLM then turns HMA off);
+    a vLLM without request-level failures is refused instead (test_vllm_compat.py)."""
     code = (
         "import vllm.distributed.kv_transfer.kv_connector.v1.base as base\n"
-        "del base.SupportsHMA, base.KVConnectorTransferResults\n"
+        "del base.SupportsHMA\n"
         "from lmprefetch.integration.vllm import LMPrefetchConnector\n"
-        "from lmprefetch.integration.vllm import connector\n"
-        "assert connector.KVConnectorTransferResults is None\n"
         "assert 'request_finished_all_groups' in vars(LMPrefetchConnector)\n"
+        "assert 'SupportsHMA' not in [c.__name__ for c in LMPrefetchConnector.__mro__]\n"
         "print('imported')\n"
     )
     env = dict(os.environ, PYTHONWARNINGS="ignore")
