@@ -1271,3 +1271,59 @@ def test_connector_counters_reach_vllms_prometheus_hook() -> None:
     assert got == 2
     got = REGISTRY.get_sample_value("vllm:lmprefetch_deadline_cut_total", {"engine": "0"})
     assert got == 1
+
+
+# -- may_load_async (vLLM 0.34; called here directly, as vLLM does on arrival) -----------------
+def test_may_load_async_is_true_for_a_hit_lmprefetch_knows_and_loads_it_asynchronously(
+    make_harness: Any,
+) -> None:
+    """On arrival the lookup is pending, so the answer comes from what the workers last held:
+    nothing for a fresh prompt, the saved chunks after a request computed them.  A request
+    vLLM queued for asynchronous loads gets its hit loaded asynchronously: the load runs in
+    the step that allocates its blocks, the worker reports it in ``finished_recving``, and the
+    next step computes the rest from the right bytes."""
+    h = make_harness()
+    prompt = tokens_of(40, 100)  # 3 whole chunks + 4
+    first = h.add("first", prompt)
+    assert h.connector.may_load_async(first) is False  # nothing known yet
+    assert h.wait_answer("first") == 0
+    h.run_until_finished("first")
+    h.wait_worker_quiet()
+
+    for t in h.caches.values():
+        t.zero_()
+    second = prompt[:96] + tokens_of(41, 20)
+    req = h.add("second", second)
+    assert h.connector.may_load_async(req) is True  # pending, but its chunks were saved
+    assert h.wait_answer("second") == 96
+    assert h.connector.may_load_async(req) is True  # answered: a hit it will load
+    out = h.step(loads_after_forward=True)
+    assert not out.has_sync_kv_loads
+    assert "second" not in out.num_scheduled_tokens  # only its load ran
+    [load] = out.kv_connector_metadata.loads
+    assert load.asynchronous and (load.start_token, load.end_token) == (0, 96)
+    h.assert_loaded("second", second, 0, 96)
+    out = h.step()
+    assert out.num_scheduled_tokens["second"] == len(second) - 96
+    assert req.num_computed_tokens == len(second)
+    h.run_until_finished("second")
+    assert h.stats.data["hit_tokens"] == 96
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_may_load_async_learns_from_a_lookup_that_found_less(make_harness: Any) -> None:
+    """A chunk believed held that a lookup does not find is forgotten: the wrong guess (which
+    would hold vLLM's other asynchronous loads back) is made once."""
+    h = make_harness(role="kv_consumer")  # loads only: no save tells it the chunk again
+    prompt = tokens_of(42, 70)
+    a = h.add("a", prompt)
+    # Stale knowledge: the first chunk was held once (e.g. evicted since).
+    h.connector.scheduler_side._known.held([h.connector.scheduler_side._reqs["a"].hashes[0]])
+    b = h.add("b", prompt)
+    assert h.connector.may_load_async(b) is True
+    assert h.wait_answer("a") == 0 and h.wait_answer("b") == 0
+    h.step()  # the answers are polled: the scheduler side learns the chunk is gone
+    c = h.add("c", prompt)
+    assert h.connector.may_load_async(c) is False
+    for r in (a, b, c):
+        h.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
