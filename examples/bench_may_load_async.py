@@ -86,6 +86,7 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.forward_context import ForwardContext
+    from vllm.plugins import load_general_plugins
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -96,6 +97,8 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
 
     from lmprefetch.integration.vllm import LMPrefetchConnector
 
+    # What vLLM's engine does first: its plugins register lmprefetch's connector by name.
+    load_general_plugins()
     s = scenario
     model = workdir / "tiny-llama"
     model.mkdir(exist_ok=True)
@@ -116,7 +119,6 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="LMPrefetchConnector",
-            kv_connector_module_path="lmprefetch.integration.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"chunk_size": CHUNK, "cpu_bytes": 1 << 24},

@@ -125,7 +125,8 @@ def test_every_nox_install_goes_through_the_constraints() -> None:
                     callers.append((func.name, ast.unparse(node)))
     assert len(callers) == 1, callers
     name, call = callers[0]
-    assert name == "_install" and call.startswith('session.install(\'-c\', str(constraints)'), callers
+    assert name == "_install", callers
+    assert call.startswith("session.install('-c', str(constraints)"), callers
     source = (REPO / "noxfile.py").read_text()
     assert 'CONSTRAINTS = HERE / "constraints.txt"' in source
     assert "constraints: Path = CONSTRAINTS" in source  # constraints.txt unless told otherwise

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .vllm_support import model_runner_output, vllm_imports
+from .vllm_support import expected_sources, model_runner_output, vllm_imports
 
 with vllm_imports():
     import torch
@@ -1102,9 +1102,6 @@ def _stored(h: Any, seed: int, n: int = 100) -> list[int]:
 def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     make_harness: Any,
 ) -> None:
-    # vLLM 0.32's names for a hit's source (older vLLMs never ask for them).
-    CacheHitSource = pytest.importorskip("vllm.v1.metrics.cache_hit_source").CacheHitSource
-
     h = make_harness()
     prompt = _stored(h, 40)
     submitted = h.client.stats()["submitted"]
@@ -1118,7 +1115,7 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
         assert len(load.chunk_hashes) == 2
         h.assert_loaded("capped", prompt, 0, 64)
         sources = h.connector.get_external_cache_hit_sources(req, 64)
-        assert sources == {CacheHitSource.HOST: 64}  # served by the CPU tier
+        assert sources == expected_sources(HOST=64)  # served by the CPU tier
 
     out = h.step(before_forward=check)
     assert out.num_scheduled_tokens["capped"] == len(prompt) - 64
@@ -1184,9 +1181,6 @@ def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
 
 
 def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
-    # vLLM 0.32's names for a hit's source (older vLLMs never ask for them).
-    CacheHitSource = pytest.importorskip("vllm.v1.metrics.cache_hit_source").CacheHitSource
-
     extra = {"disk_path": str(tmp_path / "disk")}
     prompt = tokens_of(44, 100)
     before = make_harness(extra=extra)
@@ -1200,7 +1194,7 @@ def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) 
     assert after.wait_answer("b") == 96
 
     def check(out: Any) -> None:
-        assert after.connector.get_external_cache_hit_sources(req, 96) == {CacheHitSource.DISK: 96}
+        assert after.connector.get_external_cache_hit_sources(req, 96) == expected_sources(DISK=96)
 
     after.step(before_forward=check)
     assert_worker_idle(after.wait_worker_quiet())

@@ -36,12 +36,36 @@ from typing import Any
 import pytest
 
 __all__ = [
+    "PLUGIN_INSTALLED",
     "apply_shims",
+    "expected_sources",
     "model_runner_output",
+    "needs_plugin",
     "skip_without_vllm",
     "vllm_imports",
     "vllm_version",
 ]
+
+
+def _plugin_installed() -> bool:
+    """lmprefetch's ``vllm.general_plugins`` entry point is in the installed metadata (an
+    install from before it existed lacks it: ``pip install -e .`` again)."""
+    import importlib.metadata
+
+    return any(
+        ep.name == "lmprefetch" and ep.value == "lmprefetch_vllm_plugin:register"
+        for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
+    )
+
+
+#: Whether vLLM processes started here register ``LMPrefetchConnector`` by name.
+PLUGIN_INSTALLED = _plugin_installed()
+#: Marks a test that configures the connector by name alone.
+needs_plugin = pytest.mark.skipif(
+    not PLUGIN_INSTALLED,
+    reason="lmprefetch's vllm.general_plugins entry point is not installed here (an install "
+    "from before it existed): pip install -e .",
+)
 
 
 def _cpu_defaults() -> None:
@@ -89,6 +113,17 @@ def model_runner_output(**fields: Any) -> Any:
 
     known = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
     return ModelRunnerOutput(**{k: v for k, v in fields.items() if k in known})
+
+
+def expected_sources(**tokens_by_source: int) -> dict[Any, int]:
+    """What ``get_external_cache_hit_sources`` answers, e.g. ``expected_sources(HOST=64)``:
+    vLLM's ``CacheHitSource`` names (0.32), or nothing on a vLLM without them (it never asks,
+    and the connector has no names to answer with)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return {}
+    return {getattr(CacheHitSource, name): n for name, n in tokens_by_source.items()}
 
 
 def vllm_version() -> str:
