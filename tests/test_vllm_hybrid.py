@@ -1147,3 +1147,22 @@ def test_the_connector_module_imports_on_a_vllm_without_hma_support() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("imported")
+
+
+def test_speculative_blocks_in_a_mamba_group_turn_lookups_and_saves_off() -> None:
+    """Under speculative decoding (any method, ngram included) vLLM gives every Mamba group
+    blocks for the drafts' states (``num_speculative_blocks``: the draft tokens) and hands over
+    no boundary states: such a model is neither looked up nor saved, and says why."""
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    mamba = MambaSpec(block_size=16, shapes=((STATE_WIDTH,),), dtypes=(torch.float32,),
+                      mamba_cache_mode="align", num_speculative_blocks=3)  # fmt: skip
+    groups = read_groups(
+        KVCacheConfig(1, [], [KVCacheGroupSpec([L[0]], mamba), KVCacheGroupSpec([L[1]], full)]),
+        16,
+    )
+    assert groups.unsupported is not None
+    assert "speculative decoding blocks in a Mamba group are not supported" in groups.unsupported
+    plain = MambaSpec(block_size=16, shapes=((STATE_WIDTH,),), dtypes=(torch.float32,),
+                      mamba_cache_mode="align")  # fmt: skip
+    kcc = KVCacheConfig(1, [], [KVCacheGroupSpec([L[0]], plain), KVCacheGroupSpec([L[1]], full)])
+    assert read_groups(kcc, 16).unsupported is None
