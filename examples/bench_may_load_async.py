@@ -42,19 +42,6 @@ from typing import Any
 BLOCK = 16
 CHUNK = 32
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
-}
 WAIT_S = 60.0
 
 
@@ -95,6 +82,7 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from lmprefetch.bench.serve.model import TINY_LLAMA
     from lmprefetch.integration.vllm import LMPrefetchConnector
 
     # What vLLM's engine does first: its plugins register lmprefetch's connector by name.
@@ -104,7 +92,7 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     init_none_hash(sha256)
-    max_len = 4096
+    max_len = 4096  # (TINY_LLAMA: 2 layers, 1 KV head of 64)
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True,

@@ -22,6 +22,14 @@ def test_the_entry_point_is_declared_for_vllm() -> None:
     assert plugins == {"lmprefetch": "lmprefetch_vllm_plugin:register"}
 
 
+def python(code: str) -> str:
+    """What a fresh interpreter prints running ``code`` in the repository."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    return done.stdout
+
+
 def test_importing_the_plugin_imports_nothing_heavy() -> None:
     """Neither torch, vLLM, Trio, ZeroMQ nor lmprefetch itself (its engine)."""
     code = (
@@ -30,10 +38,7 @@ def test_importing_the_plugin_imports_nothing_heavy() -> None:
         "import lmprefetch_vllm_plugin\n"
         "print(' '.join(sorted(set(sys.modules) - before)))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
-    )
-    assert done.stdout.split() == ["lmprefetch_vllm_plugin"]
+    assert python(code).split() == ["lmprefetch_vllm_plugin"]
 
 
 def test_register_without_vllm_does_nothing() -> None:
@@ -45,7 +50,4 @@ def test_register_without_vllm_does_nothing() -> None:
         "lmprefetch_vllm_plugin.register()\n"
         "print('ok')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
-    )
-    assert done.stdout.strip() == "ok"
+    assert python(code).strip() == "ok"
