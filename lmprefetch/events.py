@@ -5,7 +5,7 @@ vLLM's KV events: ``BlockStored`` when a block becomes available on some medium,
 when it goes, ``AllBlocksCleared`` when a publisher forgets everything.  lmprefetch tells its
 routers about its own tiers the same way, so an existing subscriber reads its stream unchanged:
 
-* the **schema** below mirrors ``vllm.distributed.kv_events`` (vLLM 0.32) field for field, with
+* the **schema** below mirrors ``vllm.distributed.kv_events`` (vLLM 0.34) field for field, with
   the same msgspec settings, so the msgpack bytes decode with vLLM's own ``KVEventBatch``;
 * the **tracker** (:class:`KVEventTracker`) listens to the tiers (each tier calls
   :meth:`KVEventTracker.stored` and :meth:`KVEventTracker.removed` where its index changes) and
@@ -98,7 +98,7 @@ def tier_medium(tier_name: str) -> tuple[str, str | None]:
     return _TIER_MEDIA.get(tier_name, (tier_name.upper(), None))
 
 
-# -- the schema (vLLM 0.32's vllm/distributed/kv_events.py) ---------------------------------
+# -- the schema (vLLM 0.34's vllm/distributed/kv_events.py; older releases lack some fields) ------
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the events: a msgpack map tagged ``"type"`` = the class name."""
 
@@ -125,6 +125,10 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    #: vLLM 0.33+: the tokens after each block that its hash covers (lookahead hashing, for
+    #: EAGLE drafters).  lmprefetch's chunks are keyed by their own tokens only, so it never
+    #: sets this (see ``supports_lookahead_block_hashes`` in docs/vllm.md).
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
