@@ -13,6 +13,7 @@ condition variable, ``Engine.wait_quiet`` on a Trio event.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,9 +52,13 @@ with vllm_imports():
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from lmprefetch.hashing import ChunkHasher
     from lmprefetch.integration.vllm import (
+        ConnectorStatistics,
+        KeyBlocks,
         LMPrefetchConnector,
         LMPrefetchConnectorStats,
+        LoadSpec,
         PagedKVLayout,
         endpoint_names,
         load_prefetch_config,
@@ -203,6 +208,11 @@ class Harness:
     def runtime(self) -> Any:
         return self.worker.worker_side.runtime
 
+    @property
+    def statistics(self) -> ConnectorStatistics:
+        """The connector's counters as vLLM collected them (scheduler side and worker)."""
+        return self.stats.statistics()
+
     def add(
         self,
         req_id: str,
@@ -316,9 +326,12 @@ class Harness:
         raise AssertionError(f"{req_id} did not finish in {max_steps} steps")
 
     def wait_answer(self, req_id: str) -> int:
-        answer = self.client.wait(req_id, WAIT_S)
-        assert answer is not None, f"lookup {req_id} not answered within {WAIT_S} s"
-        return int(answer)
+        """The request's hit (tokens from 0), once its lookup answered."""
+        request = self.connector.scheduler_side.request(req_id)
+        assert request is not None, f"{req_id} is not a request the connector knows"
+        hit = request.wait(WAIT_S)
+        assert hit is not None, f"lookup {req_id} not answered within {WAIT_S} s"
+        return hit
 
     def wait_worker_quiet(self) -> dict[str, Any]:
         """Wait until the worker has handled every message the client sent so far, and no
@@ -331,7 +344,7 @@ class Harness:
         self._probes += 1
         probe = f"probe-{self._probes}"
         assert self.client.lookup(probe, [1]) is None
-        assert self.wait_answer(probe) == 0
+        assert self.client.wait(probe, WAIT_S) == 0
         self.client.forget(probe)
         engine = self.runtime.engine
 
@@ -366,6 +379,16 @@ def make_harness(model_dir: Path) -> Iterator[Any]:
 
 def tokens_of(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 997 + 3 for i in range(n)]
+
+
+def load_keys(load: LoadSpec) -> list[KeyBlocks]:
+    """Every key a load claims, in order."""
+    return [k for claim in load.claims for k in claim.keys]
+
+
+def chain(tokens: list[int]) -> list[int]:
+    """The chunk hashes of a prompt (unsalted): a legacy model's keys."""
+    return ChunkHasher(CHUNK).hash(tokens)
 
 
 def assert_worker_idle(stats: dict[str, Any]) -> None:
@@ -412,9 +435,9 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert h.wait_answer("first") == 0
     out = h.step()
     assert out.num_scheduled_tokens["first"] == 100
-    saves = out.kv_connector_metadata.saves
-    assert [s.first_chunk for s in saves] == [0]
-    assert saves[0].chunk_rows == [2, 2, 2]
+    [save] = out.kv_connector_metadata.saves
+    assert [k.chunk_hash for k in save.keys] == chain(prompt)
+    assert [len(k.block_ids) for k in save.keys] == [2, 2, 2]
     h.run_until_finished("first")
     stats = h.wait_worker_quiet()
     assert stats["store"]["chunks_stored"] == 3
@@ -430,7 +453,8 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     def check(out: Any) -> None:  # after start_load_kv, before the forward writes anything
         assert out.has_sync_kv_loads
         [load] = out.kv_connector_metadata.loads
-        assert (load.start_token, load.end_token, load.first_chunk) == (0, 96, 0)
+        assert (load.start_token, load.end_token) == (0, 96)
+        assert [k.chunk_hash for k in load_keys(load)] == chain(second)[:3]
         h.assert_loaded("second", second, 0, 96)
 
     out = h.step(before_forward=check)
@@ -440,12 +464,13 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     stats = h.wait_worker_quiet()
     assert stats["lookups"]["claimed"] == 1
     assert_worker_idle(stats)
-    assert h.stats.data["hit_tokens"] == 96
-    assert h.stats.data["lookup_hits"] == 1
-    assert h.stats.data["loaded_chunks"] == 3
-    assert h.stats.data["loaded_bytes"] == 3 * 2 * len(LAYERS) * BLOCK * ROW * 4
+    assert h.statistics.hit_tokens == 96
+    assert h.statistics.lookup_hits == 1
+    assert h.statistics.loaded_chunks == 3
+    assert h.statistics.loaded_bytes == 3 * 2 * len(LAYERS) * BLOCK * ROW * 4
     # The second request's new whole chunk (tokens 96..127) is saved after its forward.
-    assert [s.first_chunk for s in out.kv_connector_metadata.saves] == [3]
+    [save] = out.kv_connector_metadata.saves
+    assert [k.chunk_hash for k in save.keys] == chain(second)[3:4]
 
 
 @pytest.mark.parametrize(
@@ -494,7 +519,8 @@ def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: st
     if role == "kv_producer":
         out = h.step()
         assert out.num_scheduled_tokens["a"] == 64  # no lookup to wait for
-        assert [s.first_chunk for s in out.kv_connector_metadata.saves] == [0]
+        [save] = out.kv_connector_metadata.saves
+        assert [k.chunk_hash for k in save.keys] == chain(prompt)
     else:
         assert h.wait_answer("a") == 0
         out = h.step()
@@ -530,12 +556,14 @@ def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(
 
     def check(out: Any) -> None:
         [load] = out.kv_connector_metadata.loads
-        assert (load.first_chunk, load.start_token, load.end_token) == (2, 64, 128)
+        assert (load.start_token, load.end_token) == (64, 128)
+        # Claimed from chunk 2 on: the two chunks vLLM holds were never probed.
+        assert [k.chunk_hash for k in load_keys(load)] == chain(prompt)[2:4]
         h.assert_loaded("rest", prompt, 64, 128)
 
     h.step(before_forward=check)
     assert req.num_computed_tokens == 133
-    assert h.stats.data["loaded_chunks"] >= 2
+    assert h.statistics.loaded_chunks >= 2
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -549,7 +577,8 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
     h.run_until_finished("warm")  # stored in lmprefetch, and cached by vLLM
     req = h.add("again", [*prompt, 3, 4])
     # vLLM holds all four chunks: nothing to look up past them.
-    assert h.connector.scheduler_side._reqs["again"].skip_tokens == 128
+    again = h.connector.scheduler_side.request("again")
+    assert again is not None and again.skip * CHUNK == 128
     assert h.scheduler.reset_prefix_cache()  # ... until its cache is dropped
     h.wait_worker_quiet()
     for t in h.caches.values():
@@ -560,7 +589,8 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
         loads.extend(out.kv_connector_metadata.loads)
         if loads:
             [load] = loads
-            assert (load.first_chunk, load.start_token, load.end_token) == (0, 0, 128)
+            assert (load.start_token, load.end_token) == (0, 128)
+            assert [k.chunk_hash for k in load_keys(load)] == chain(prompt)
             h.assert_loaded("again", prompt, 0, 128)
 
     # vLLM now has 0 < 128 skipped: a gap, so the lookup starts again from chunk 0.  The
@@ -574,14 +604,14 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
         assert h.wait_answer("again") == 128
     assert loads
     assert req.num_computed_tokens == 130
-    assert h.stats.data["lookup_restarts"] == 1
+    assert h.statistics.lookup_restarts == 1
     assert_worker_idle(h.wait_worker_quiet())
 
 
 def test_an_answer_too_old_to_trust_is_looked_up_again(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lmprefetch.integration.vllm.scheduler as connector_module
+    import lmprefetch.integration.vllm.request as request_module
 
     h = make_harness(extra={"claim_ttl_s": 10})
     prompt = tokens_of(17, 64)
@@ -596,8 +626,8 @@ def test_an_answer_too_old_to_trust_is_looked_up_again(
     assert h.wait_answer("c") == 64
     # ... but c's answer is polled only after more than half of claim_ttl_s: the workers may
     # drop the prefetch before the step claims it, so it is cancelled and looked up again.
-    later = connector_module._now() + 6
-    monkeypatch.setattr(connector_module, "_now", lambda: later)
+    later = request_module._now() + 6
+    monkeypatch.setattr(request_module, "_now", lambda: later)
     loads: list[Any] = []
     for _ in range(3):
         out = h.step()
@@ -606,7 +636,7 @@ def test_an_answer_too_old_to_trust_is_looked_up_again(
             break
         assert h.wait_answer("c") == 64  # the fresh lookup (the old answer was dropped)
     assert [s.req_id for s in loads] == ["c"]
-    assert h.stats.data["lookup_restarts"] == 1
+    assert h.statistics.lookup_restarts == 1
     stats = h.wait_worker_quiet()
     assert stats["lookups"]["cancelled"] == 1
     assert stats["lookups"]["claimed"] == 2
@@ -663,7 +693,7 @@ def test_preempted_request_is_looked_up_again(make_harness: Any) -> None:
     assert "b" in out.preempted_req_ids
     # b comes back through get_num_new_matched_tokens: forget, then a fresh lookup.
     h.step()
-    assert h.stats.data["lookup_restarts"] >= 1
+    assert h.statistics.lookup_restarts >= 1
     assert h.wait_answer("b") == 64  # its chunks were stored before the preemption
     h.run_until_finished("a")
     for t in h.caches.values():
@@ -727,7 +757,8 @@ def test_short_claim_reports_the_missing_blocks_and_vllm_recomputes(make_harness
     finally:
         h.worker.worker_side._runtime = real
     [load] = out.kv_connector_metadata.loads
-    lost = set(load.block_ids[2:6])  # chunks 1 and 2: blocks 2..5 of the request
+    blocks = [b for k in load_keys(load) for b in k.block_ids]
+    lost = set(blocks[2:6])  # chunks 1 and 2: blocks 2..5 of the request
     assert h.invalid_history[-1] == lost
     assert req.status == RequestStatus.RUNNING  # "recompute": not failed
     assert req.num_computed_tokens == 2 * BLOCK  # truncated to the first lost block
@@ -735,8 +766,8 @@ def test_short_claim_reports_the_missing_blocks_and_vllm_recomputes(make_harness
     out = h.step()
     assert out.num_scheduled_tokens["b"] == len(prompt) - 2 * BLOCK  # recomputed
     h.run_until_finished("b")
-    assert h.stats.data["load_failures"] == 1
-    assert h.stats.data["failed_blocks"] == 4
+    assert h.statistics.load_failures == 1
+    assert h.statistics.failed_blocks == 4
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -757,8 +788,8 @@ def test_claim_lost_under_fail_policy_ends_the_request_with_an_error(make_harnes
 
 # -- tenants: cache_salt and LoRA ----------------------------------------------------------------
 def saved_hashes(out: Any, req_id: str) -> list[int]:
-    return [h for spec in out.kv_connector_metadata.saves if spec.req_id == req_id
-            for h in spec.chunk_hashes]  # fmt: skip
+    return [k.chunk_hash for spec in out.kv_connector_metadata.saves if spec.req_id == req_id
+            for k in spec.keys]  # fmt: skip
 
 
 def serve(h: Any, req_id: str, prompt: list[int], **kwargs: Any) -> tuple[int, list[int]]:
@@ -803,7 +834,7 @@ def test_cache_salt_requests_are_cached_in_their_own_name_space(make_harness: An
         h.step(before_forward=check)
         h.run_until_finished(req_id)
     assert_worker_idle(h.wait_worker_quiet())
-    assert h.stats.data["lookup_hits"] == 3
+    assert h.statistics.lookup_hits == 3
 
 
 def write_adapter(path: Path, weights: bytes) -> Path:
@@ -1081,6 +1112,7 @@ def test_stats_aggregate_and_rebuild() -> None:
         "hit_rate": 0.25,
     }
     assert not merged.is_empty()
+    assert merged.statistics() == ConnectorStatistics(lookups=4, lookup_hits=1, loaded_bytes=10)
     merged.reset()
     assert merged.is_empty()
     assert LMPrefetchConnector.build_kv_connector_stats(None).is_empty()
@@ -1112,7 +1144,7 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     def check(out: Any) -> None:
         [load] = out.kv_connector_metadata.loads
         assert (load.start_token, load.end_token) == (0, 64)
-        assert len(load.chunk_hashes) == 2
+        assert len(load_keys(load)) == 2
         h.assert_loaded("capped", prompt, 0, 64)
         sources = h.connector.get_external_cache_hit_sources(req, 64)
         assert sources == expected_sources(HOST=64)  # served by the CPU tier
@@ -1133,9 +1165,9 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     h.step(before_forward=check_odd)
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
-    assert h.stats.data["load_capped"] == 2
-    assert h.stats.data["load_cap_cut"] == 1  # "odd": 64 found, 48 loaded
-    assert h.stats.data["policy_loaded"] >= 2
+    assert h.statistics.load_capped == 2
+    assert h.statistics.load_cap_cut == 1  # "odd": 64 found, 48 loaded
+    assert h.statistics.policy_loaded >= 2
 
 
 @pytest.mark.parametrize(
@@ -1151,7 +1183,7 @@ def test_a_request_can_ask_to_load_nothing(make_harness: Any, params: dict[str, 
     assert out.kv_connector_metadata.loads == []
     assert h.client.stats()["submitted"] == submitted  # not even looked up
     assert_worker_idle(h.wait_worker_quiet())
-    assert h.stats.data["load_skipped"] == 1
+    assert h.statistics.load_skipped == 1
 
 
 def test_bad_load_params_are_ignored_with_a_warning(
@@ -1265,6 +1297,15 @@ def test_connector_counters_reach_vllms_prometheus_hook() -> None:
     assert got == 2
     got = REGISTRY.get_sample_value("vllm:lmprefetch_deadline_cut_total", {"engine": "0"})
     assert got == 1
+    # Every counter the connector declares is exported, with its help.
+    declared = ConnectorStatistics.counters()
+    assert len(declared) == len(dataclasses.fields(ConnectorStatistics))
+    for n, (name, doc) in enumerate(declared):
+        before = REGISTRY.get_sample_value(f"vllm:lmprefetch_{name}_total", {"engine": "0"})
+        metrics.observe({name: n + 1}, 0)
+        after = REGISTRY.get_sample_value(f"vllm:lmprefetch_{name}_total", {"engine": "0"})
+        assert after == (before or 0) + n + 1, name
+        assert doc
 
 
 # -- may_load_async (vLLM 0.34; called here directly, as vLLM does on arrival) -----------------
@@ -1301,7 +1342,7 @@ def test_may_load_async_is_true_for_a_hit_lmprefetch_knows_and_loads_it_asynchro
     assert out.num_scheduled_tokens["second"] == len(second) - 96
     assert req.num_computed_tokens == len(second)
     h.run_until_finished("second")
-    assert h.stats.data["hit_tokens"] == 96
+    assert h.statistics.hit_tokens == 96
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -1312,7 +1353,10 @@ def test_may_load_async_learns_from_a_lookup_that_found_less(make_harness: Any) 
     prompt = tokens_of(42, 70)
     a = h.add("a", prompt)
     # Stale knowledge: the first chunk was held once (e.g. evicted since).
-    h.connector.scheduler_side._known.held([h.connector.scheduler_side._reqs["a"].hashes[0]])
+    side = h.connector.scheduler_side
+    first = side.request("a")
+    assert first is not None
+    side._ctx.known.held(first.hashes[:1])
     b = h.add("b", prompt)
     assert h.connector.may_load_async(b) is True
     assert h.wait_answer("a") == 0 and h.wait_answer("b") == 0
