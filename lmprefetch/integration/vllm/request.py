@@ -682,19 +682,15 @@ def rows_to_load(
         into = [b for b in block_ids[j:] if b != NULL_BLOCK]
         return [0] * len(into), into
     per_chunk = chunk_size // bs
-    first_needed = group.first_needed_token(end_token)
-    rows: list[int] = []
-    dest: list[int] = []
-    for r in range(per_chunk):
-        j = chunk * per_chunk + r
-        if j * bs < start_token or j * bs >= end_token or (j + 1) * bs <= first_needed:
-            continue
-        if j >= len(block_ids):
-            return None
-        if block_ids[j] == NULL_BLOCK:
-            if group.kind == "full":
-                return None
-            continue  # vLLM will not read this sliding-window block
-        rows.append(r)
-        dest.append(block_ids[j])
-    return rows, dest
+    base = chunk * per_chunk  # the chunk's first block
+    first = max(base, -(-start_token // bs), group.first_needed_token(end_token) // bs)
+    last = min(base + per_chunk, -(-end_token // bs))
+    if last <= first:
+        return [], []
+    if last > len(block_ids):
+        return None
+    # vLLM will not read a sliding-window block it made its null block.
+    rows = [j - base for j in range(first, last) if block_ids[j] != NULL_BLOCK]
+    if group.kind == "full" and len(rows) < last - first:
+        return None
+    return rows, [block_ids[base + r] for r in rows]
