@@ -1365,3 +1365,26 @@ def test_may_load_async_learns_from_a_lookup_that_found_less(make_harness: Any) 
     assert h.connector.may_load_async(c) is False
     for r in (a, b, c):
         h.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def test_may_load_async_knows_the_chunks_a_lookup_found(make_harness: Any, tmp_path: Path) -> None:
+    """Chunks this scheduler side never had saved (on disk from before a restart) are known once
+    a lookup found them: the next request with that prefix is queued for an asynchronous load
+    on arrival."""
+    extra = {"disk_path": str(tmp_path / "disk")}
+    prompt = tokens_of(46, 100)
+    before = make_harness(extra=extra)
+    before.add("warm", prompt)
+    before.wait_answer("warm")
+    before.run_until_finished("warm")
+    before.runtime.call(before.runtime.engine.flush)  # on disk now
+    before.close()
+    after = make_harness(extra=extra)  # a new scheduler side: it knows nothing yet
+    a = after.add("a", prompt)
+    assert after.connector.may_load_async(a) is False
+    assert after.wait_answer("a") == 96
+    b = after.add("b", prompt)
+    assert after.connector.may_load_async(b) is True
+    for r in (a, b):
+        after.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert_worker_idle(after.wait_worker_quiet())

@@ -576,6 +576,9 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
     assert stats["lookups"]["claimed"] == len(load.claims)
+    # What was loaded is not saved again (neither the chunks nor the state at 96).
+    assert stats["store"]["chunks_stored"] == 3 * n_full_sw + n_mamba
+    assert h.statistics.save_chunks_planned == 3 * n_full_sw + n_mamba
 
 
 @pytest.mark.parametrize("config", ["sw+full", "mamba+full"])

@@ -214,17 +214,12 @@ class _SchedulerSide:
         return r.hit_sources(num_external_tokens) if r is not None else {"": num_external_tokens}
 
     def request_finished(self, request: Request) -> None:
-        """Release whatever is still outstanding for the request (a pending lookup, a held
-        prefetch, a synchronous load planned for a step that will not run it).  A planned
-        asynchronous load stays planned: vLLM holds the request's blocks until a worker reports
-        it in ``finished_recving``, which only the load's step does."""
-        req_id = request.request_id
-        r = self._requests.pop(req_id, None)
-        planned = self._pending_loads.get(req_id)
-        if planned is not None and not planned.asynchronous:
-            del self._pending_loads[req_id]
-            for claim in planned.claims:
-                self._client.cancel(claim.lookup_id)
+        """Release whatever is still outstanding for the request: pending lookups, a held
+        prefetch it never claimed.  A load planned for it is already in a step's metadata
+        (loads are planned and sent within one ``schedule()``, and vLLM finishes requests
+        between its calls); the step that runs an asynchronous one reports it in
+        ``finished_recving``, which frees the blocks vLLM holds for it."""
+        r = self._requests.pop(request.request_id, None)
         if r is not None:
             r.release()
 
