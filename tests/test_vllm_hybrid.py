@@ -812,6 +812,39 @@ def test_a_lost_load_under_the_fail_policy_ends_the_request(make_harness: Any) -
     assert_worker_idle(h.wait_worker_quiet())
 
 
+def test_a_load_vllms_blocks_do_not_fit_is_reported_by_request_and_recomputed(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's blocks do not fit the planned load (here: every group's rows refused): nothing is
+    claimed, what the lookups hold is released, and the load is reported failed by request;
+    vLLM takes the request back, and it is looked up (and served) again."""
+    from lmprefetch.integration.vllm import request as request_module
+
+    h = make_harness("sw+full")
+    prompt = tokens_of(21, 100)
+    h.serve("first", prompt)
+    h.wipe()
+    req = h.add("b", prompt)
+    assert h.wait_hit("b") == 96
+    monkeypatch.setattr(request_module, "rows_to_load", lambda *args: None)
+    out = h.step()
+    [load] = out.kv_connector_metadata.loads
+    assert load.claims == []
+    results = h.transfer_history[-1]
+    assert results.failed_recving == results.finished_recving == {"b"}
+    assert h.statistics.lookup_hits == 0
+    assert h.wait_worker_quiet()["held_lookups"] == 0  # released, not left to claim_ttl_s
+    monkeypatch.undo()
+    h.run_until_finished("b")
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.computed["b"] == len(prompt) - 96  # the second load went through
+    assert h.wrong_states == []
+    assert h.statistics.load_failures == 1
+    assert h.statistics.lookup_restarts == 1
+    assert h.statistics.lookup_hits == 1
+    assert_worker_idle(h.wait_worker_quiet())
+
+
 # -- cancelled and finished requests release everything ---------------------------------------
 def test_abort_releases_every_lookup_of_the_request(make_harness: Any) -> None:
     h = make_harness("mamba+sw+full")

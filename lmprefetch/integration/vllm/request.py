@@ -495,14 +495,11 @@ class ConnectorRequest:
         req_id = self.request.request_id
         start = self._num_computed
         end = start + num_external_tokens
-        # A hybrid hit is a boundary every group agreed on, and nothing else; a legacy one
-        # can be loaded up to any token below it.
-        partial = self._groups.legacy
-        if end > hit and partial:  # vLLM never raises the count; be safe if it ever does
-            log.warning("request %s: vLLM asked for %d tokens, %d are cached", req_id, end, hit)
-            end = hit
+        # A hybrid hit is the boundary every group agreed on, and nothing else (vLLM may
+        # lower the count it accepts); a legacy one can be loaded up to any token below it
+        # (vLLM never raises the count).
         claims = None
-        if end == hit or (partial and end < hit):
+        if end == hit or (self._groups.legacy and end < hit):
             claims = self._claims(blocks.get_block_ids(), start, end)
         stats = self._ctx.statistics
         if claims is None:
