@@ -1212,16 +1212,23 @@ def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
     assert_worker_idle(stats)
 
 
-def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
+def restarted_from_disk(make_harness: Any, tmp_path: Path, prompt: list[int]) -> Harness:
+    """A fresh connector (both sides) whose disk tier holds ``prompt``'s chunks, stored by an
+    earlier one: its CPU tier is empty and its scheduler side knows nothing."""
     extra = {"disk_path": str(tmp_path / "disk")}
-    prompt = tokens_of(44, 100)
     before = make_harness(extra=extra)
-    before.add("a", prompt)
-    before.wait_answer("a")
-    before.run_until_finished("a")
+    before.add("warm", prompt)
+    before.wait_answer("warm")
+    before.run_until_finished("warm")
     before.runtime.call(before.runtime.engine.flush)  # on disk now
     before.close()
-    after = make_harness(extra=extra)  # a new worker: its CPU tier is empty
+    after: Harness = make_harness(extra=extra)
+    return after
+
+
+def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
+    prompt = tokens_of(44, 100)
+    after = restarted_from_disk(make_harness, tmp_path, prompt)
     req = after.add("b", prompt)
     assert after.wait_answer("b") == 96
 
@@ -1371,15 +1378,8 @@ def test_may_load_async_knows_the_chunks_a_lookup_found(make_harness: Any, tmp_p
     """Chunks this scheduler side never had saved (on disk from before a restart) are known once
     a lookup found them: the next request with that prefix is queued for an asynchronous load
     on arrival."""
-    extra = {"disk_path": str(tmp_path / "disk")}
     prompt = tokens_of(46, 100)
-    before = make_harness(extra=extra)
-    before.add("warm", prompt)
-    before.wait_answer("warm")
-    before.run_until_finished("warm")
-    before.runtime.call(before.runtime.engine.flush)  # on disk now
-    before.close()
-    after = make_harness(extra=extra)  # a new scheduler side: it knows nothing yet
+    after = restarted_from_disk(make_harness, tmp_path, prompt)
     a = after.add("a", prompt)
     assert after.connector.may_load_async(a) is False
     assert after.wait_answer("a") == 96

@@ -304,22 +304,16 @@ class ConnectorRequest:
             if answer is None:
                 return None
             b = min(answer // len(self._full), b)  # every full group of a chunk
-        while True:
-            if b <= self.skip:
-                return self._finish(self.skip)
+        while b > self.skip:  # each lower boundary is checked again by the groups before
             allowed = self._window_allows(b)
+            if allowed == b:
+                allowed = self._state_allows(b)
             if allowed is None:
                 return None
-            if allowed < b:
-                b = allowed
-                continue
-            allowed = self._state_allows(b)
-            if allowed is None:
-                return None
-            if allowed < b:
-                b = allowed
-                continue
-            return self._finish(b)
+            if allowed == b:
+                return self._finish(b)
+            b = allowed
+        return self._finish(self.skip)
 
     def wait(self, timeout_s: float) -> int | None:
         """Block until the hit is known (:meth:`poll`), waiting on each pending lookup's answer
