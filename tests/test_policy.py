@@ -11,6 +11,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import trio
@@ -201,6 +202,96 @@ def test_make_policy_names_load_policy_in_every_error() -> None:
         PrefetchConfig(load_policy="cost!")
     with pytest.raises(ValueError, match="^load_policy: "):
         PrefetchConfig.from_dict({"load_policy": "a:b:c"})
+    with pytest.raises(ValueError, match="^load_policy: .*decides must be"):
+        make_policy("tests.test_policy:SaysWhenWrongly")
+
+
+class SaysWhenWrongly:
+    """A custom policy whose ``decides`` is not a :class:`Decides`."""
+
+    decides = "before probing"
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        return request.hit_chunks
+
+
+class EagerAlways(AlwaysLoad):
+    """A subclass of ``always`` (``tests.test_policy:EagerAlways``): decides as its base."""
+
+
+class FirstTwoOnly(AlwaysLoad):
+    """A subclass of ``always`` that loads at most two chunks, deciding before probing
+    (inherited): it is asked with no parts, and what it answers bounds the probes."""
+
+    asked: ClassVar[list[LoadRequest]] = []
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        FirstTwoOnly.asked.append(request)
+        return 2
+
+
+class TimedTier(ThrottledTier):
+    """A :class:`ThrottledTier` that notes when its probes end and its loads start."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, bytes_per_s=5 * MB, rtt_s=0.020)
+        self.probe_ended: list[float] = []
+        self.load_started: list[float] = []
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        n = await super().contains_prefix(keys, pin=pin)
+        self.probe_ended.append(trio.current_time())
+        return n
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        self.load_started.append(trio.current_time())
+        return await super().load(keys, buffers)
+
+
+@pytest.mark.parametrize(
+    ("policy", "eager"),
+    [("always", True), ("tests.test_policy:EagerAlways", True), ("cost", False)],
+)
+async def test_a_policy_that_decides_before_probing_loads_while_the_next_tier_is_probed(
+    autojump_clock: trio.abc.Clock, policy: str, eager: bool
+) -> None:
+    """Two slow tiers, half the hit each: under a policy that decides before probing (a
+    subclass of ``always`` too, not only ``always`` itself) the first tier's load starts
+    before the second tier's probe ends; under one that decides after probing, not."""
+    a, b = TimedTier("a"), TimedTier("b")
+    async with engine_with(_config(load_policy=policy), a, b) as eng:
+        prompt, data = _prompt(4, 11), _data(4, 11)
+        keys = eng.keys.keys(eng.hasher.hash(prompt))
+        for key, payload in zip(keys[:2], data[:2]):
+            a.data[key] = payload
+        for key, payload in zip(keys[2:], data[2:]):
+            b.data[key] = payload
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.lookup_and_prefetch("t", hashes, [CS] * 4) == 4 * CS
+        assert (a.load_started[0] < b.probe_ended[0]) == eager
+        eng.cancel("t")
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_policy_deciding_before_probing_is_asked_first_and_bounds_the_probes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = _slow()
+    FirstTwoOnly.asked.clear()
+    async with engine_with(_config(load_policy="tests.test_policy:FirstTwoOnly"), slow) as eng:
+        hashes = await put_in(slow, eng, _prompt(6, 1), _data(6, 1))
+        assert await eng.lookup_and_prefetch("f", hashes, [CS] * 6, skip_chunks=1) == 3 * CS
+        (request,) = FirstTwoOnly.asked
+        assert request.parts == ()
+        assert (request.hit_chunks, request.computed_tokens) == (5, CS)
+        assert request.prompt_tokens == 6 * CS
+        assert slow.keys_probed == 2  # only the two chunks it may load
+        with eng.claim("f") as got:
+            assert len(got) == 2
+        assert eng.stats()["lookups"]["policy_loaded"] == 1
+        await eng.wait_quiet()
+        assert_conserved(eng)
 
 
 async def test_an_engine_with_a_bad_custom_policy_does_not_open() -> None:
@@ -293,14 +384,17 @@ async def test_a_custom_policy_decides(autojump_clock: trio.abc.Clock) -> None:
         assert_conserved(eng)
 
 
-async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc.Clock) -> None:
-    class Broken:
-        def chunks_to_load(self, request: LoadRequest) -> int:
-            raise RuntimeError("the policy is broken")
+class Broken:
+    """A custom policy (``tests.test_policy:Broken``) that raises."""
 
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        raise RuntimeError("the policy is broken")
+
+
+async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()
-    async with engine_with(_config(), slow) as eng:
-        eng.policy = Broken()
+    async with engine_with(_config(load_policy="tests.test_policy:Broken"), slow) as eng:
+        assert isinstance(eng.policy, Broken)
         hashes = await put_in(slow, eng, _prompt(3, 1), _data(3, 1))
         assert await eng.lookup_and_prefetch("b", hashes, [CS] * 3) == 3 * CS
         eng.cancel("b")
