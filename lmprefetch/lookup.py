@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 import trio
 
+from ._stats import snapshot
+
 if TYPE_CHECKING:
     from .keys import ChunkKey
     from .memory import Buffer
@@ -111,7 +113,6 @@ class LookupCounters(msgspec.Struct, gc=False):
     deadline_cut: int = 0
 
 
-# msgspec allows a frozen Struct to extend a mutable one (mypy's dataclass rules do not).
 class LookupStatistics(LookupCounters, frozen=True, gc=False):  # type: ignore[misc]
     """A snapshot of one engine's lookup counters, and the lookups in flight and held now."""
 
@@ -446,6 +447,4 @@ class _Lookups:
             await self._quiet.park()
 
     def statistics(self) -> LookupStatistics:
-        return LookupStatistics(
-            **msgspec.structs.asdict(self.counters), inflight=self.inflight, held=self.held
-        )
+        return snapshot(LookupStatistics, self.counters, inflight=self.inflight, held=self.held)

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import trio
 
+from ._stats import as_dict
 from .config import PrefetchConfig
 from .events import ChunkBlocks, KVEvent, KVEventStatistics, KVEventTracker
 from .hashing import ChunkHasher
@@ -62,6 +63,17 @@ class EngineStatistics(msgspec.Struct, frozen=True, gc=False):
     #: The KV events' counters, ``None`` when events are off.
     kv_events: KVEventStatistics | None
 
+    def tier(self, name: str) -> TierStatistics:
+        """The counters of the tier called ``name``.
+
+        Raises:
+            KeyError: the engine has no such tier.
+        """
+        for tier_name, statistics in self.tiers:
+            if tier_name == name:
+                return statistics
+        raise KeyError(name)
+
     def as_dict(self) -> dict[str, Any]:
         """The contract's keys at the top level (``inflight_lookups``, ``held_lookups``,
         ``pinned_chunks``, ``limiter_used``, ``arena_total_bytes``, ``arena_used_bytes``,
@@ -77,20 +89,16 @@ class EngineStatistics(msgspec.Struct, frozen=True, gc=False):
             "arena_total_bytes": self.arena.total_bytes,
             "arena_used_bytes": self.arena.used_bytes,
             "cpu_resident_bytes": self.cpu_resident_bytes,
-            "tiers": {name: _as_dict(t) for name, t in self.tiers},
+            "tiers": {name: as_dict(t) for name, t in self.tiers},
             "rank": self.rank,
             "world_size": self.world_size,
             "cpu_resident_chunks": self.cpu_resident_chunks,
-            "lookups": _as_dict(self.lookups),
-            "store": _as_dict(self.store),
-            "limiter": _as_dict(self.limiter),
-            "arena": _as_dict(self.arena),
-            "kv_events": None if self.kv_events is None else _as_dict(self.kv_events),
+            "lookups": as_dict(self.lookups),
+            "store": as_dict(self.store),
+            "limiter": as_dict(self.limiter),
+            "arena": as_dict(self.arena),
+            "kv_events": None if self.kv_events is None else as_dict(self.kv_events),
         }
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    return msgspec.structs.asdict(value)
 
 
 class Engine:

@@ -209,23 +209,23 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 answers = await peer.answers_until(
                     lambda got: any(a.lookup_id == sentinel for a in got)
                 )
-                stats = server.stats()
+                stats = server.statistics()
                 received = kinds["request"] + kinds["invalid"] + 1
-                assert stats["cleanups_received"] == kinds["cleanup"]
-                assert stats["requests_received"] == received
-                assert stats["requests_accepted"] + stats["requests_stale"] == received
+                assert stats.cleanups_received == kinds["cleanup"]
+                assert stats.requests_received == received
+                assert stats.requests_accepted + stats.requests_stale == received
                 # A stale request is dropped before it is checked (the receive-path test
                 # checks which, frame by frame).
                 most_malformed = kinds["malformed"] + kinds["invalid"]
-                assert 0 <= most_malformed - stats["messages_malformed"] <= stats["requests_stale"]
+                assert 0 <= most_malformed - stats.messages_malformed <= stats.requests_stale
                 # Every lookup still running or held answers now (a cancelled one: 0).
                 engine.cancel_all()
                 await engine.wait_quiet()
-                stats = server.stats()
-                accepted = stats["requests_accepted"]
+                stats = server.statistics()
+                accepted = stats.requests_accepted
                 # Every answer exists now: sent, or queued for the send task.
-                assert stats["answers_sent"] + stats["answers_queued"] == accepted, stats
-                assert engine.stats()["lookups"]["failed"] == 0
+                assert stats.answers_sent + stats.answers_queued == accepted, stats
+                assert engine.statistics().lookups.failed == 0
                 answers += await peer.answers_until(lambda got: len(answers) + len(got) >= accepted)
                 peer.send(encode(LookupRequestMsg(last, [1], [CHUNK], seq=1)))
                 after = await peer.answers_until(bool)
@@ -234,9 +234,9 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 for key, n in seen.items():
                     assert n <= sent[key], f"{key} answered {n} times for {sent[key]} requests"
                 assert all(a.worker_id == 1 for a in answers)
-                stats = server.stats()
-                assert stats["answers_sent"] == stats["requests_accepted"] == accepted + 1
-                assert stats["answers_queued"] == 0
+                stats = server.statistics()
+                assert stats.answers_sent == stats.requests_accepted == accepted + 1
+                assert stats.answers_queued == 0
                 assert server.failure is None
                 await engine.wait_quiet()
                 assert_idle(engine)
@@ -293,9 +293,9 @@ def test_hostile_answers_never_stop_the_client_bridge(frames: list[bytes], hit: 
                 push.send(frame)
             push.send(encode(LookupResponseMsg(target, hit, seq=request.seq, worker_id=0)))
             assert client.wait(target, LIMIT_S) == hit
-            stats = client.stats()
-            assert stats["malformed_answers"] == sum(o.kind == "malformed" for o in oracle)
-            assert stats["stale_answers_dropped"] == sum(o.kind == "response" for o in oracle)
+            stats = client.statistics()
+            assert stats.malformed_answers == sum(o.kind == "malformed" for o in oracle)
+            assert stats.stale_answers_dropped == sum(o.kind == "response" for o in oracle)
             assert client._table.failure is None and client._bridge.thread.is_alive()
     finally:
         pull.close()

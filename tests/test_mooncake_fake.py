@@ -375,7 +375,7 @@ async def test_the_engine_puts_the_tier_after_disk_and_shares_it(
             assert await engine_b.lookup_and_prefetch("r", hashes, [4] * 4) == 16
             with engine_b.claim("r") as claimed:
                 assert [bytes(b.view()) for _, b in claimed] == payloads
-            assert engine_b.stats()["tiers"]["mooncake"]["chunks_loaded"] == 4
+            assert engine_b.statistics().tier("mooncake").chunks_loaded == 4
             assert engine_b.is_idle()
 
 

@@ -671,8 +671,8 @@ async def test_engine_master_killed_mid_lookup_answers_the_shorter_prefix(
             with engine.claim("req") as claimed:
                 assert [bytes(buf.view()) for _, buf in claimed] == payloads[:16]
             assert engine.is_idle()
-            stats = engine.stats()["tiers"]["mooncake"]
-            assert stats["chunks_loaded"] == 16 and stats["errors"] >= 1
+            stats = engine.statistics().tier("mooncake")
+            assert stats.chunks_loaded == 16 and stats.errors >= 1
             # later lookups answer promptly: at once while backing off, then refused by the
             # dead master
             t0 = trio.current_time()

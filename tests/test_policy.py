@@ -289,7 +289,7 @@ async def test_a_policy_deciding_before_probing_is_asked_first_and_bounds_the_pr
         assert slow.keys_probed == 2  # only the two chunks it may load
         with eng.claim("f") as got:
             assert len(got) == 2
-        assert eng.stats()["lookups"]["policy_loaded"] == 1
+        assert eng.statistics().lookups.policy_loaded == 1
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -309,15 +309,15 @@ async def test_a_slow_tier_is_measured_then_skipped(autojump_clock: trio.abc.Clo
         # Not yet measured: the slow tier costs nothing, so the first lookup loads it all.
         assert await eng.lookup_and_prefetch("a", first, [CS] * 8) == 8 * CS
         eng.cancel("a")
-        tier = eng.stats()["tiers"]["slow"]
-        assert tier["latency_s_ewma"] == pytest.approx(0.020, rel=1e-3)
-        assert tier["load_bytes_per_s_ewma"] == pytest.approx(5 * MB, rel=1e-3)
+        tier = eng.statistics().tier("slow")
+        assert tier.latency_s_ewma == pytest.approx(0.020, rel=1e-3)
+        assert tier.load_bytes_per_s_ewma == pytest.approx(5 * MB, rel=1e-3)
         # Now it is: 8 chunks take 125 ms to load and 51 ms to compute.  Skip them.
         loads = slow.loads_started
         assert await eng.lookup_and_prefetch("b", second, [CS] * 8) == 0
         assert slow.loads_started == loads  # nothing was read
-        lookups = eng.stats()["lookups"]
-        assert (lookups["policy_loaded"], lookups["policy_skipped"]) == (1, 1)
+        lookups = eng.statistics().lookups
+        assert (lookups.policy_loaded, lookups.policy_skipped) == (1, 1)
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -349,9 +349,9 @@ async def test_a_cpu_hit_is_loaded_and_a_slow_tail_truncated(
         assert slow.loads_started == loads
         with eng.claim("mixed") as got:
             assert [bytes(b.view()) for _, b in got] == data[:4]
-        lookups = eng.stats()["lookups"]
-        assert lookups["policy_truncated"] == 1
-        assert lookups["policy_loaded"] == 2
+        lookups = eng.statistics().lookups
+        assert lookups.policy_truncated == 1
+        assert lookups.policy_loaded == 2
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -366,8 +366,8 @@ async def test_never_answers_the_skipped_prefix_without_probing(
         assert await eng.lookup_and_prefetch("n", hashes, [CS] * 4) == 0
         assert await eng.lookup_and_prefetch("m", hashes, [CS] * 4, skip_chunks=1) == CS
         assert slow.keys_probed == 0
-        assert eng.stats()["lookups"]["policy_skipped"] == 2
-        assert eng.stats()["held_lookups"] == 0
+        assert eng.statistics().lookups.policy_skipped == 2
+        assert eng.statistics().lookups.held == 0
         assert_conserved(eng)
 
 
@@ -379,7 +379,7 @@ async def test_a_custom_policy_decides(autojump_clock: trio.abc.Clock) -> None:
         assert eng.lookup_tier_tokens("h") == (("slow", 3 * CS),)
         with eng.claim("h") as got:
             assert len(got) == 3
-        assert eng.stats()["lookups"]["policy_truncated"] == 1
+        assert eng.statistics().lookups.policy_truncated == 1
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -417,9 +417,9 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         t0 = trio.current_time()
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 2 * CS
         assert trio.current_time() - t0 == pytest.approx(0.050)
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
-        assert eng.stats()["pinned_chunks"] == 0
-        assert eng.stats()["limiter_used"] == 0
+        assert eng.statistics().lookups.deadline_cut == 1
+        assert eng.statistics().pinned_chunks == 0
+        assert eng.statistics().limiter.used == 0
         with eng.claim("d") as got:
             assert [bytes(b.view()) for _, b in got] == data[:2]
         await eng.wait_quiet()
@@ -430,7 +430,7 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         assert isinstance(slow2, ThrottledTier)
         hashes = await put_in(slow2, eng, _prompt(8, 6), _data(8, 6))
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 8 * CS
-        assert eng.stats()["lookups"]["deadline_cut"] == 0
+        assert eng.statistics().lookups.deadline_cut == 0
         eng.cancel("d")
 
 
@@ -448,12 +448,12 @@ async def test_the_load_deadline_keeps_the_part_of_one_tier_that_arrived(
         hashes = await put_in(slow, eng, prompt, data)
         hit = await eng.lookup_and_prefetch("p", hashes, [CS] * 8)
         assert CS <= hit < 8 * CS and hit % CS == 0
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
-        assert eng.stats()["pinned_chunks"] == 0
-        assert eng.stats()["limiter_used"] == 0
+        assert eng.statistics().lookups.deadline_cut == 1
+        assert eng.statistics().pinned_chunks == 0
+        assert eng.statistics().limiter.used == 0
         with eng.claim("p") as got:
             assert [bytes(b.view()) for _, b in got] == data[: hit // CS]
-        rate = eng.stats()["tiers"]["slow"]["load_bytes_per_s_ewma"]
+        rate = eng.statistics().tier("slow").load_bytes_per_s_ewma
         assert rate is not None and 2 * MB < rate < 10 * MB
         await eng.wait_quiet()
         assert_conserved(eng)
@@ -478,9 +478,9 @@ async def test_a_cut_keeps_no_batch_after_one_that_had_not_arrived(
         stalls.first = eng.keys.keys(hashes)[0]
         assert await eng.lookup_and_prefetch("s", hashes, [CS] * 8) == 0
         assert stalls.stats.chunks_loaded >= 2  # later batches did arrive
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
-        assert eng.stats()["pinned_chunks"] == 0
-        assert eng.stats()["limiter_used"] == 0
+        assert eng.statistics().lookups.deadline_cut == 1
+        assert eng.statistics().pinned_chunks == 0
+        assert eng.statistics().limiter.used == 0
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -558,7 +558,7 @@ async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc
         for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
             slow.data[key] = payload
         assert await eng.lookup_and_prefetch("p", hashes, [CS] * 4) == 2 * CS
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.statistics().lookups.deadline_cut == 1
         assert slow.loads_started == 0
         eng.cancel("p")
         await eng.wait_quiet()

@@ -641,6 +641,6 @@ async def test_two_engines_share_the_remote_tier(redis_url: str) -> None:
             assert await engine_b.lookup_and_prefetch("req", hashes, [4] * 4) == 16
             with engine_b.claim("req") as claimed:
                 assert [bytes(buf.view()) for _, buf in claimed] == payloads
-            stats = engine_b.stats()
-            assert stats["pinned_chunks"] == 0
-            assert stats["limiter_used"] == 0
+            stats = engine_b.statistics()
+            assert stats.pinned_chunks == 0
+            assert stats.limiter.used == 0
