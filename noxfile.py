@@ -2,7 +2,7 @@
 
 * ``tests``   — the suite over Python 3.10–3.13, with the oldest supported and the newest trio.
 * ``lint``    — ruff (incl. the ASYNC rules).
-* ``types``   — mypy, strict on ``lmprefetch/``.
+* ``types``   — mypy, strict on ``lmprefetch/`` (and the tests' fake Mooncake client).
 * ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
 * ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``),
   served and opened from disk with no network: every page loads without console errors, every
@@ -125,10 +125,15 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", *LINTED)
 
 
+#: What mypy checks: the package (strict), and the tests' fake Mooncake client against the
+#: tier's MooncakeStore protocol.
+TYPED = ("lmprefetch", "tests/mooncake_fake.py")
+
+
 @nox.session(python="3.11")
 def types(session: nox.Session) -> None:
     _install(session, "-e", ".[lint]")
-    session.run("mypy", "lmprefetch")
+    session.run("mypy", *TYPED)
 
 
 @nox.session(python="3.11")
@@ -355,7 +360,7 @@ def ci(session: nox.Session) -> None:
     _need_redis(session)
     _install(session, "-e", ".[test,lint,redis,mooncake]")
     session.run("ruff", "check", *LINTED)
-    session.run("mypy", "lmprefetch")
+    session.run("mypy", *TYPED)
     _pytest(session, "-q", "-m", "not vllm and not lmcache", "--require", "redis")
     # The Mooncake suite (skipped above: it needs a private network namespace), about 5 min.
     _pytest_mooncake(session, "-q", "-m", "mooncake and not vllm", "-p", "no:cacheprovider")

@@ -341,7 +341,7 @@ async def check_store(
     for tier in engine.tiers:
         if isinstance(tier, DiskTier):  # queued or written: exactly the cached chunks
             assert set(tier.keys()) <= set(in_cpu)
-            assert tier.pending_writes + len(tier) == len(in_cpu)
+            assert tier.queued_writes + len(tier) == len(in_cpu)
     await engine.flush()
     for tier in engine.tiers:
         if isinstance(tier, DiskTier):

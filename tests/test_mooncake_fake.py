@@ -27,6 +27,7 @@ from lmprefetch import PrefetchConfig, open_engine
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena
 from lmprefetch.tiers import mooncake as mooncake_module
+from lmprefetch.tiers import mooncake_store
 from lmprefetch.tiers.mooncake import MooncakeTier, mooncake_key, open_mooncake_tier
 
 from .mooncake_fake import (
@@ -315,7 +316,7 @@ def test_timeouts_and_address_go_to_mooncake_only_where_the_environment_is_silen
                  "MC_TCP_BIND_ADDRESS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "9")
-    mooncake_module._set_mooncake_environment(1.5, "P2PHANDSHAKE", "10.0.0.7")
+    mooncake_store.set_environment(1.5, "P2PHANDSHAKE", "10.0.0.7")
     assert "MC_TCP_BIND_ADDRESS" not in os.environ  # the handshake advertises local_hostname
 
     assert os.environ["MC_RPC_TIMEOUT_MS"] == "1500"
@@ -323,7 +324,7 @@ def test_timeouts_and_address_go_to_mooncake_only_where_the_environment_is_silen
     assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"  # the operator's
     assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "2"  # whole seconds, rounded up
     assert os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] == "1"
-    mooncake_module._set_mooncake_environment(1.5, "http://h:1/metadata", "10.0.0.7")
+    mooncake_store.set_environment(1.5, "http://h:1/metadata", "10.0.0.7")
     assert os.environ["MC_TCP_BIND_ADDRESS"] == "10.0.0.7"  # what a metadata server advertises
 
 
@@ -348,7 +349,7 @@ async def test_the_engine_puts_the_tier_after_disk_and_shares_it(
     pool = FakePool()
     monkeypatch.setattr(mooncake_module, "_default_store_factory", pool.factory())
     # The fake pool stands in for Mooncake's client: this runs where the extra is not installed.
-    monkeypatch.setattr(mooncake_module, "check_installed", lambda: None)
+    monkeypatch.setattr(mooncake_store, "check_installed", lambda: None)
     config = PrefetchConfig(
         chunk_size=4, chunk_bytes=64, cpu_bytes=64 * 32, arena_prefault_bytes=0,
         mooncake_master="127.0.0.1:50051", mooncake_segment_bytes=0,

@@ -63,7 +63,7 @@ from ..memory import Buffer
 from . import chunkfile
 from .base import BaseTier
 from .chunkfile import HEADER_BYTES, MAGIC, FileIdentity
-from .writebehind import WriteBehindQueue, WriteEntry
+from .writebehind import WriteBehindQueue, WriteEntry, WritesBehind
 
 __all__ = ["HEADER_BYTES", "MAGIC", "DiskTier", "open_disk_tier"]
 
@@ -148,7 +148,7 @@ async def _set_when_cancelled(stop: threading.Event) -> None:
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
-class DiskTier(BaseTier):
+class DiskTier(WritesBehind, BaseTier):
     """Chunk files under ``path``, with an LRU index in memory.
 
     Build it with :func:`open_disk_tier`, which rebuilds the index from the directory and runs
@@ -490,18 +490,6 @@ class DiskTier(BaseTier):
             return False
         return self._writes.put(key, buf)
 
-    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
-        """:meth:`enqueue_write` (the file is written behind; see :meth:`flush`)."""
-        await trio.lowlevel.checkpoint()
-        return self.enqueue_write(key, payload)
-
-    async def flush(self) -> None:
-        """Wait until every write queued before this call is on disk (or was dropped).
-
-        Cancellation: waiting is cancellable; the writes go on.
-        """
-        await self._writes.flush()
-
     async def _run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
         """The write-behind task: writes queued chunks one at a time, in order, until
@@ -609,10 +597,7 @@ class DiskTier(BaseTier):
         Writes queued from here on are dropped.  Writes still queued when the time is up are
         dropped and their buffer references released.  Idempotent.
         """
-        self._writes.close()
-        with trio.move_on_after(self.close_timeout_s, shield=True) as timeout:
-            await self.flush()
-        if timeout.cancelled_caught:
+        if not await self._flush_before_close(self.close_timeout_s):
             log.warning("disk tier: close gave up flushing after %.1f s, dropping %d writes",
                         self.close_timeout_s, self._writes.pending)
         if self._writer_scope is not None:
@@ -628,11 +613,6 @@ class DiskTier(BaseTier):
     def used_bytes(self) -> int:
         """Bytes of the indexed chunk files, headers included."""
         return self._used_bytes
-
-    @property
-    def pending_writes(self) -> int:
-        """Writes queued or being written."""
-        return self._writes.pending
 
     def keys(self) -> list[ChunkKey]:
         """Indexed keys, least recently used first."""
