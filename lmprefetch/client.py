@@ -33,6 +33,9 @@ Threads: :meth:`lookup`, :meth:`cancel`, :meth:`forget`, :meth:`stats` and :meth
 called from any thread.  The bridge thread, its sockets and how answers are recorded live in
 :mod:`lmprefetch.bridge`; the client owns its own ``zmq.Context`` (through the bridge) and
 closing it terminates only that (D19).
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ those are the seams between a lookup and its tiers.
 Cancellation: a lookup is cancelled through its record (``cancel`` cancels the task's scope);
 the task then unwinds, its exit stack releases every pin and buffer it still owns, and the
 lookup answers 0.  Nothing here blocks the Trio thread.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
@@ -581,8 +584,7 @@ class LookupIO:
         self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
     ) -> int:
         """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
-        when the tier raises or times out (the prefix ends at this tier; D05, see the defect
-        table in docs/cancellation.md)."""
+        when the tier raises or times out (the prefix ends at this tier; D05)."""
         t0 = trio.current_time()
         tier.stats.load_started(t0)
         try:

@@ -10,6 +10,9 @@ benchmarks) do not collide.
 The HTTP server runs in prometheus-client's own thread; a scrape reads the engine's stats
 through :meth:`WorkerRuntime.statistics`, so it never touches engine state from another
 thread.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ broken socket) the error is logged with its traceback, ``on_failure`` is called,
 exception leaves :func:`serve_lookups` (trio's nursery rules): the server never lives on deaf.
 :class:`~lmprefetch.runtime.WorkerRuntime` turns that into a failed runtime, and the
 ``lmprefetch worker`` command into a non-zero exit.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Rules every tier keeps:
   when a key becomes loadable from it, ``_note_removed(key)`` when it stops being (evicted,
   removed, found missing or corrupt).  The engine's KV-event tracker listens
   (:mod:`lmprefetch.events`); with no listener these cost one attribute test.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

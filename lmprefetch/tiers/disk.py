@@ -43,6 +43,9 @@ fails its checksum and is dropped on the first read.
 Races between a load, the writer and :meth:`DiskTier.remove` on the same key can at worst make a
 later load miss (and drop the key); they can never make a load return wrong bytes, because every
 read checks the key and the checksum in the file itself.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ payload is stored as is, which keeps loads and stores zero-copy.
 
 **Pins.**  Nothing is pinned remotely; the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s
 bookkeeping so ``pinned_count()`` shows what the engine still has to unpin.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -26,13 +26,12 @@ and arena buffers run in separate, short, memory-only threads with ``abandon_on_
 so no write into (or read from) a buffer happens after :meth:`RedisTier.load` returns or after a
 buffer is released.
 
-**Faults (D05 in the defect table of docs/cancellation.md).**  A refused connection, a timeout,
-a cluster error or any other failure of a remote call is caught inside the tier, counted in
-``stats.errors`` and starts a *backoff* (:mod:`lmprefetch.tiers.remote`: ``backoff_initial_s``
-doubling up to ``backoff_max_s``).  While backing off the tier answers "no more hits" at once
-without touching the network and drops writes (counted in ``stats.writes_dropped``).  A lookup
-therefore gets the prefix found before the failure (0 from a down server), promptly, and never
-an exception.
+**Faults (D05).**  A refused connection, a timeout, a cluster error or any other failure of a
+remote call is caught inside the tier, counted in ``stats.errors`` and starts a *backoff*
+(:mod:`lmprefetch.tiers.remote`: ``backoff_initial_s`` doubling up to ``backoff_max_s``).
+While backing off the tier answers "no more hits" at once without touching the network and
+drops writes (counted in ``stats.writes_dropped``).  A lookup therefore gets the prefix found
+before the failure (0 from a down server), promptly, and never an exception.
 
 **Holes (D13).**  :meth:`RedisTier.contains_prefix` and :meth:`RedisTier.load` both stop at the
 first missing or invalid value: LMCache's Redis connector dropped ``None`` results from a batch
@@ -47,6 +46,9 @@ the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s pin bookkeeping so
 reference on the buffer and queues it, or drops the write (and counts it) when the queue is full
 or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
 the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

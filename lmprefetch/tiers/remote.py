@@ -11,8 +11,7 @@ thread keeps its limiter token until it really ends.
 (``backoff_initial_s``, doubling up to ``backoff_max_s``, on ``trio.current_time()``): while it
 lasts the tier answers "no more hits" at once, without a thread, and drops writes (counted in
 ``stats.writes_dropped``); the first call after it tries again, and a success resets it.  So a
-lookup gets the prefix found before the failure, promptly, never an exception (D05 in the
-defect table of ``docs/cancellation.md``).
+lookup gets the prefix found before the failure, promptly, never an exception (D05).
 
 **Write-behind.**  :meth:`RemoteTier.enqueue_write` is synchronous and never blocks: it queues
 the buffer (taking a reference) or drops the write when the tier cannot take it now; one writer
@@ -22,6 +21,9 @@ task (:meth:`RemoteTier.run_writer`) hands the queue to the tier's ``_write_batc
 **Closing** (:meth:`RemoteTier.aclose`): flush what is queued (bounded), drop the rest, own
 every limiter token (every thread, abandoned ones too, has ended then), and only then close
 the client (the tier's ``_close_client``), so no call is pulled from under a thread.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
