@@ -40,14 +40,13 @@ from .disk_tiers import (
     payload,
     store,
 )
+from .tier_io import checked_arena
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(SLOT_BYTES, NUM_SLOTS)
-    yield a
-    assert a.free_slots == a.num_slots, "a buffer reference was never released"
-    a.close()
+    with checked_arena(SLOT_BYTES, NUM_SLOTS) as a:
+        yield a
 
 
 # -- round trip, restart ---------------------------------------------------------------------

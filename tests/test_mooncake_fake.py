@@ -14,7 +14,7 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from .mooncake_fake import (
     RPC_FAIL,
     FakePool,
 )
+from .tier_io import checked_arena, load_all, store_all
 
 SLOT = 4096
 DEADLINE_S = 30
@@ -53,10 +54,8 @@ def data_of(n: int, seed: int = 0) -> list[bytes]:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    arena = Arena(SLOT, 64)
-    yield arena
-    assert arena.free_slots == arena.num_slots, "a buffer reference leaked"
-    arena.close()
+    with checked_arena(SLOT, 64) as arena:
+        yield arena
 
 
 @asynccontextmanager
@@ -69,28 +68,6 @@ async def fake_tier(pool: FakePool, arena: Arena, **kwargs: Any) -> AsyncIterato
         ) as tier:
             await tier.wait_connected()
             yield tier
-
-
-async def store_all(
-    tier: MooncakeTier, arena: Arena, keys: Sequence[ChunkKey], data: Sequence[bytes]
-) -> None:
-    for key, payload in zip(keys, data, strict=True):
-        buf = arena.allocate()
-        assert buf is not None
-        buf.write(payload)
-        tier.enqueue_write(key, buf)
-        buf.release()
-    await tier.flush()
-
-
-async def load_all(tier: MooncakeTier, arena: Arena, keys: Sequence[ChunkKey]) -> list[bytes]:
-    bufs = arena.allocate_many(len(keys))
-    try:
-        n = await tier.load(keys, bufs)
-        return [bytes(b.view()) for b in bufs[:n]]
-    finally:
-        for b in bufs:
-            b.release()
 
 
 # -- zero copy ----------------------------------------------------------------------------------

@@ -104,7 +104,14 @@ from .mooncake_store import (
     code_name,
     set_environment,
 )
-from .remote import CLOSE_TIMEOUT_S, CONNECT_SLACK_S, RemoteTier, Unavailable
+from .remote import (
+    CLOSE_TIMEOUT_S,
+    CONNECT_SLACK_S,
+    KEY_PREFIX,
+    RemoteTier,
+    Unavailable,
+    load_batches,
+)
 from .writebehind import WriteEntry
 
 __all__ = [
@@ -121,9 +128,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-#: Prefix of every object key this tier writes (the Redis tier's too: the same key).
-KEY_PREFIX: Final = "lmprefetch:"
 
 # One load batch: one thread call, waited for whole when the load is cancelled.
 _LOAD_BATCH_KEYS: Final = 16
@@ -419,6 +423,24 @@ class MooncakeTier(RemoteTier):
             self._failed(what, exc)
             raise Unavailable from None
 
+    async def _transfer(
+        self,
+        what: str,
+        op: Callable[[MooncakeStore, list[str], list[int], list[int]], list[int]],
+        names: list[str],
+        bufs: Sequence[Buffer],
+        sizes: list[int],
+    ) -> list[int]:
+        """``op`` (``_get_into`` or ``_put_from``) on ``bufs``' slots, in a thread that is
+        never abandoned, after registering any arena of theirs the client does not know yet;
+        a result code per name.  Raises :class:`~lmprefetch.tiers.remote.Unavailable` as
+        :meth:`_call` does."""
+        arenas = self._unregistered(bufs)
+        if arenas:
+            await self._call("register_buffer", self._register, arenas, touches_arena=False)
+        addresses = [_slot_address(buf) for buf in bufs]
+        return await self._call(what, op, names, addresses, sizes, touches_arena=True)
+
     def _unregistered(self, bufs: Sequence[Buffer]) -> list[Arena]:
         seen: list[Arena] = []
         for buf in bufs:
@@ -494,27 +516,15 @@ class MooncakeTier(RemoteTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
-        start = 0
-        while start < total:
-            end = start + 1
-            budget = buffers[start].capacity
-            while (
-                end < total
-                and end - start < _LOAD_BATCH_KEYS
-                and budget + buffers[end].capacity <= _LOAD_BATCH_BYTES
-            ):
-                budget += buffers[end].capacity
-                end += 1
+        batches = load_batches(
+            buffers[:total], max_bytes=_LOAD_BATCH_BYTES, max_keys=_LOAD_BATCH_KEYS
+        )
+        for start, end in batches:
             bufs = buffers[start:end]
             names = [mooncake_key(key) for key in keys[start:end]]
-            addresses = [_slot_address(buf) for buf in bufs]
-            sizes = [buf.capacity for buf in bufs]
             try:
-                arenas = self._unregistered(bufs)
-                if arenas:
-                    await self._call("register_buffer", self._register, arenas, touches_arena=False)
-                results = await self._call(
-                    "batch_get_into", _get_into, names, addresses, sizes, touches_arena=True
+                results = await self._transfer(
+                    "batch_get_into", _get_into, names, bufs, [buf.capacity for buf in bufs]
                 )
             except Unavailable:
                 break
@@ -538,7 +548,6 @@ class MooncakeTier(RemoteTier):
             n += filled
             if filled < len(bufs):
                 break
-            start = end
         if total == 0:
             await trio.lowlevel.checkpoint()
         self.stats.chunks_loaded += n
@@ -592,16 +601,11 @@ class MooncakeTier(RemoteTier):
             return
         bufs = [buf for _, buf in live]
         names = [mooncake_key(entry.key) for entry, _ in live]
-        addresses = [_slot_address(buf) for buf in bufs]
-        sizes = [buf.length for buf in bufs]
         # The entries keep their buffer references until the loop releases them after this
         # returns: batch_put_from reads the arena, and its thread is never abandoned.
         try:
-            arenas = self._unregistered(bufs)
-            if arenas:
-                await self._call("register_buffer", self._register, arenas, touches_arena=False)
-            results = await self._call(
-                "batch_put_from", _put_from, names, addresses, sizes, touches_arena=True
+            results = await self._transfer(
+                "batch_put_from", _put_from, names, bufs, [buf.length for buf in bufs]
             )
         except Unavailable:
             self.stats.writes_dropped += len(live)

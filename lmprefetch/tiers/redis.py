@@ -70,7 +70,14 @@ from redis.retry import Retry
 
 from ..keys import ChunkKey
 from ..memory import Buffer
-from .remote import CLOSE_TIMEOUT_S, CONNECT_SLACK_S, RemoteTier, Unavailable
+from .remote import (
+    CLOSE_TIMEOUT_S,
+    CONNECT_SLACK_S,
+    KEY_PREFIX,
+    RemoteTier,
+    Unavailable,
+    load_batches,
+)
 from .writebehind import WriteEntry
 
 __all__ = [
@@ -90,8 +97,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Prefix of every Redis key this tier writes.
-KEY_PREFIX: Final = "lmprefetch:"
 _MAGIC: Final = b"LMP\x01"
 # magic, payload length, xxh3-64 of the payload; little-endian, no padding.
 _HEADER: Final = struct.Struct("<4sQQ")
@@ -430,13 +435,7 @@ class RedisTier(RemoteTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
-        start = 0
-        while start < total:
-            end = start + 1
-            budget = buffers[start].capacity
-            while end < total and budget + buffers[end].capacity <= _LOAD_BATCH_BYTES:
-                budget += buffers[end].capacity
-                end += 1
+        for start, end in load_batches(buffers[:total], max_bytes=_LOAD_BATCH_BYTES):
             names = [redis_key(key) for key in keys[start:end]]
             capacities = [buf.capacity for buf in buffers[start:end]]
             try:
@@ -462,7 +461,6 @@ class RedisTier(RemoteTier):
                 break
             if n < end:
                 break
-            start = end
         if total == 0:
             await trio.lowlevel.checkpoint()
         self.stats.chunks_loaded += n

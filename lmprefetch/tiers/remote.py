@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, Final, TypeVar
 
 import trio
@@ -41,10 +41,20 @@ from ..memory import Buffer
 from .base import BaseTier
 from .writebehind import WriteBehindQueue, WriteEntry, WritesBehind
 
-__all__ = ["CLOSE_TIMEOUT_S", "CONNECT_SLACK_S", "RemoteTier", "Unavailable"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "CONNECT_SLACK_S",
+    "KEY_PREFIX",
+    "RemoteTier",
+    "Unavailable",
+    "load_batches",
+]
 
 _T = TypeVar("_T")
 
+#: Prefix of every key a remote tier stores a chunk under (Redis and Mooncake name a chunk
+#: alike: ``KEY_PREFIX + key.to_string()``).
+KEY_PREFIX: Final = "lmprefetch:"
 #: How long closing waits for queued writes, then for the threads, then for the client.
 CLOSE_TIMEOUT_S: Final = 10.0
 #: Added to the deadline of the first connection (a client's set-up costs more than a call).
@@ -53,6 +63,28 @@ CONNECT_SLACK_S: Final = 5.0
 
 class Unavailable(Exception):
     """A remote call did not happen or failed (already counted); the caller stops here."""
+
+
+def load_batches(
+    buffers: Sequence[Buffer], *, max_bytes: int, max_keys: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """The ``(start, end)`` bounds of consecutive batches of ``buffers``, one remote call
+    each, in order: at most ``max_keys`` buffers and ``max_bytes`` of buffer capacity, and at
+    least one buffer."""
+    total = len(buffers)
+    start = 0
+    while start < total:
+        end = start + 1
+        budget = buffers[start].capacity
+        while (
+            end < total
+            and (max_keys is None or end - start < max_keys)
+            and budget + buffers[end].capacity <= max_bytes
+        ):
+            budget += buffers[end].capacity
+            end += 1
+        yield start, end
+        start = end
 
 
 class RemoteTier(WritesBehind, BaseTier):

@@ -66,6 +66,7 @@ __all__ = [
     "check_worker_frame",
     "classify_response_frame",
     "classify_worker_frame",
+    "fill_stored_prompts",
     "join_frames",
     "split_frames",
     "toml_keys",
@@ -167,6 +168,17 @@ def stored_prompts() -> list[list[int]]:
     return [[p * 1000 + i for i in range(n * CHUNK)] for p, n in ((1, 3), (2, 5), (3, 8))]
 
 
+async def fill_stored_prompts(engine: Engine, slow: Any) -> None:
+    """The wire harnesses' data: the first two :func:`stored_prompts` in the CPU tier, all
+    three in ``slow`` (a fake tier's ``data``)."""
+    for n, prompt in enumerate(stored_prompts()):
+        data = [bytes([n * 16 + i]) * 40 for i in range(len(prompt) // CHUNK)]
+        if n < 2:
+            await engine.store(prompt, data)
+        for key, payload in zip(engine.keys.keys(engine.hasher.hash(prompt)), data):
+            slow.data[key] = payload
+
+
 def harness_config() -> PrefetchConfig:
     return PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * 48)
 
@@ -215,14 +227,7 @@ class HandleHarness:
         self.inputs = 0
 
     async def _fill(self, slow: Any) -> None:
-        """The first two prompts in the CPU tier; all three in the slow tier."""
-        engine = self.engine
-        for n, prompt in enumerate(stored_prompts()):
-            data = [bytes([n * 16 + i]) * 40 for i in range(len(prompt) // CHUNK)]
-            if n < 2:
-                await engine.store(prompt, data)
-            for key, payload in zip(engine.keys.keys(engine.hasher.hash(prompt)), data):
-                slow.data[key] = payload
+        await fill_stored_prompts(self.engine, slow)
 
     def close(self) -> None:
         self._stack.close()
