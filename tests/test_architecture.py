@@ -1,7 +1,8 @@
 """The architecture page is the map of the code: every module under ``lmprefetch/`` is in its
 module table, in a layer, no module imports from a layer above its own, and no two modules
 import each other, directly or through others (within a layer too: a cycle there makes the
-layer one module in two files).
+layer one module in two files; type-only imports count here, ``test_imports.py`` checks the
+imports that run).
 
 Imports are read with :mod:`ast` from the sources, all of them: at module level, inside
 functions (lazy imports are still dependencies) and under ``TYPE_CHECKING``.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+
+from .graphs import cycles
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lmprefetch"
@@ -96,54 +99,11 @@ def test_no_import_goes_up_a_layer() -> None:
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
 
 
-def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The groups of modules that import each other (strongly connected components of more
-    than one module), each sorted (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles: list[list[str]] = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, deps = work[-1]
-            dep = next(deps, None)
-            if dep is not None:
-                if dep not in index:
-                    index[dep] = low[dep] = len(index)
-                    stack.append(dep)
-                    on_stack.add(dep)
-                    work.append((dep, iter(sorted(graph.get(dep, ())))))
-                elif dep in on_stack:
-                    low[node] = min(low[node], index[dep])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                group = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    group.append(member)
-                    if member == node:
-                        break
-                if len(group) > 1:
-                    cycles.append(sorted(group))
-    return cycles
-
-
 def test_no_two_modules_import_each_other() -> None:
     known = modules()
     graph = {name: imported_modules(name, path, known) for name, path in known.items()}
-    cycles = import_cycles(graph)
-    assert not cycles, "modules that import each other:\n" + "\n".join(map(str, cycles))
+    found = cycles(graph)
+    assert not found, "modules that import each other:\n" + "\n".join(map(str, found))
 
 
 def test_the_checks_see_what_they_check() -> None:
@@ -158,10 +118,9 @@ def test_the_checks_see_what_they_check() -> None:
     assert "lmprefetch" not in deps  # ``from . import protocol`` is protocol
     lazy = imported_modules("lmprefetch.wiring", known["lmprefetch.wiring"], known)
     assert "lmprefetch.tiers.disk" in lazy  # imported inside a function
-    # A cycle, also one through a third module, would be caught:
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert import_cycles(graph) == [["a", "b", "c"]]
-    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    # A cycle through type-only imports is in the graph (test_imports.py leaves those out):
+    metrics = imported_modules("lmprefetch.metrics", known["lmprefetch.metrics"], known)
+    assert "lmprefetch.prefetch" in metrics  # under TYPE_CHECKING only
     # A page whose layers were in the wrong order would be caught:
     swapped = PAGE.read_text().replace("| helpers | `_sync.py`", "| helpers-x | `_sync.py`")
     assert layers_on_the_page(swapped)[0][0] == "helpers-x"
