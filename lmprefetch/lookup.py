@@ -300,10 +300,10 @@ def _release(loaded: list[tuple[ChunkKey, Buffer]]) -> None:
 
 class _Lookups:
     """The engine's lookups: the current record of each id, the count in each state, the
-    expiry queue of held results, and the counters.  Only :class:`_Lookup`'s transitions
-    change what is in it (through ``_moved``, ``_hold`` and ``_answered``); the counters
-    change there and in the ``note_*`` methods, which the lookup's I/O calls to say what it
-    decided, and nowhere else.
+    expiry queue of held results, and the counters.  What is in it changes only when a record
+    starts (:meth:`start`) or makes a transition (``_moved``, ``_hold``, ``_answered``, called
+    by :class:`_Lookup`); the counters change there and in the ``note_*`` methods, which the
+    lookup's I/O calls to say what it decided, and nowhere else.
 
     Args:
         claim_ttl_s: how long a held result waits for its claim.

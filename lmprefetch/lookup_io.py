@@ -233,7 +233,7 @@ class LookupIO:
                 parts=(),
                 chunk_tokens=tuple(offsets[skip_chunks:]),
                 computed_tokens=skipped_tokens,
-                prompt_tokens=skipped_tokens + sum(offsets[skip_chunks:]),
+                prompt_tokens=sum(offsets),
                 prefill=self._prefill,
             )
             end = skip_chunks + self._ask_policy(request)
