@@ -710,19 +710,9 @@ async def open_mooncake_tier(
     )
     if arena is not None:
         tier.add_arena(arena)
-    try:
-        await tier.connect(deadline_s=timeout_s + CONNECT_SLACK_S)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(tier.run_writer)
-            await nursery.start(tier.run_connector)
-            try:
-                yield tier
-            finally:
-                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                    await tier.flush()
-                nursery.cancel_scope.cancel()
-    finally:
-        await tier.aclose()
+    connect = partial(tier.connect, deadline_s=timeout_s + CONNECT_SLACK_S)
+    async with tier.running(connect, tier.run_connector):
+        yield tier
 
 
 def open_mooncake_tier_from_config(

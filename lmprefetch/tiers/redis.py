@@ -554,15 +554,5 @@ async def open_redis_tier(
         backoff_initial_s=backoff_initial_s,
         backoff_max_s=backoff_max_s,
     )
-    try:
-        await tier.connect()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(tier.run_writer)
-            try:
-                yield tier
-            finally:
-                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                    await tier.flush()
-                nursery.cancel_scope.cancel()
-    finally:
-        await tier.aclose()
+    async with tier.running(tier.connect):
+        yield tier

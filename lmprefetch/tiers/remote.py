@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from typing import ClassVar, Final, TypeVar
 
 import trio
@@ -248,7 +249,32 @@ class RemoteTier(WritesBehind, BaseTier):
     async def _write_batch(self, batch: list[WriteEntry]) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    # -- closing ---------------------------------------------------------------------------
+    # -- running and closing -----------------------------------------------------------
+    @asynccontextmanager
+    async def running(
+        self,
+        connect: Callable[[], Awaitable[object]],
+        *tasks: Callable[..., Awaitable[None]],
+    ) -> AsyncIterator[None]:
+        """What a tier's ``open_*`` function does around its block: ``connect()`` (which does
+        not fail for a store that is down), then run the writer and ``tasks`` (each started with
+        ``nursery.start``) until the block exits; then flush what is queued (shielded, at most
+        ``CLOSE_TIMEOUT_S``), stop them, and :meth:`aclose`, on every path."""
+        try:
+            await connect()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.run_writer)
+                for task in tasks:
+                    await nursery.start(task)
+                try:
+                    yield
+                finally:
+                    with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                        await self.flush()
+                    nursery.cancel_scope.cancel()
+        finally:
+            await self.aclose()
+
     async def aclose(self) -> None:
         """Flush queued writes (if the writer runs, bounded), drop the rest, wait for every
         thread (bounded), then close the client.  Shielded from cancellation; idempotent."""
