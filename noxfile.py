@@ -2,7 +2,7 @@
 
 * ``tests``   — the suite over Python 3.10–3.13, with the oldest supported and the newest trio.
 * ``lint``    — ruff (incl. the ASYNC rules).
-* ``types``   — mypy, strict on ``lmprefetch/``.
+* ``types``   — mypy, strict on ``lmprefetch/`` (and the tests' fake Mooncake client).
 * ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
 * ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``),
   served and opened from disk with no network: every page loads without console errors, every
@@ -152,6 +152,11 @@ def tests(session: nox.Session, trio: str) -> None:
 def lint(session: nox.Session) -> None:
     _install(session, "ruff>=0.6")
     session.run("ruff", "check", *LINTED)
+
+
+#: What mypy checks: the package (strict), and the tests' fake Mooncake client against the
+#: tier's MooncakeStore protocol.
+TYPED = ("lmprefetch", "tests/mooncake_fake.py")
 
 
 @nox.session(python="3.11")
@@ -423,8 +428,9 @@ def ci(session: nox.Session) -> None:
     session.notify("docs")
 
 
-# What `nox -s mutants` mutates (pyproject.toml's [tool.mutmut] has the same list).
-MUTATED_MODULES = ("prefetch", "limiter", "memory", "protocol", "server")
+# The modules whose mutants `nox -s mutants` scores (pyproject.toml's [tool.mutmut] mutates
+# these, and lookup.py and store.py too, which are reported in the listing but not scored).
+MUTATED_MODULES = ("prefetch", "lookup_io", "limiter", "memory", "protocol", "server")
 MUTANTS_MIN_SCORE = 85.0
 
 
