@@ -79,8 +79,9 @@ HERE = Path(__file__).parent
 LINTED = (
     "lmprefetch", "lmprefetch_vllm_plugin", "tests", "examples", "tools", "noxfile.py", "setup.py",
 )  # fmt: skip
-#: What mypy checks, strictly (``types`` and ``ci``).
-TYPED = ("lmprefetch", "lmprefetch_vllm_plugin")
+#: What mypy checks (``types`` and ``ci``): the package and the vLLM plugin (strict), and the
+#: tests' fake Mooncake client against the tier's MooncakeStore protocol.
+TYPED = ("lmprefetch", "lmprefetch_vllm_plugin", "tests/mooncake_fake.py")
 #: The development pins (see the module docstring).
 CONSTRAINTS = HERE / "constraints.txt"
 #: The pins of the other vLLM releases of the supported range (docs/vllm.md's table).
@@ -152,11 +153,6 @@ def tests(session: nox.Session, trio: str) -> None:
 def lint(session: nox.Session) -> None:
     _install(session, "ruff>=0.6")
     session.run("ruff", "check", *LINTED)
-
-
-#: What mypy checks: the package (strict), and the tests' fake Mooncake client against the
-#: tier's MooncakeStore protocol.
-TYPED = ("lmprefetch", "tests/mooncake_fake.py")
 
 
 @nox.session(python="3.11")
