@@ -42,6 +42,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
+from ._stats import snapshot
 from ._sync import RepeatedEvent
 from .keys import ChunkKey, KeyMaker
 
@@ -58,6 +59,7 @@ __all__ = [
     "EventMode",
     "KVEvent",
     "KVEventBatch",
+    "KVEventCounters",
     "KVEventStatistics",
     "KVEventTracker",
     "RankEventMerger",
@@ -218,15 +220,21 @@ class ChunkBlocks(msgspec.Struct, frozen=True, gc=False):
 
 
 # -- the tracker ---------------------------------------------------------------------------
-class KVEventStatistics(msgspec.Struct, frozen=True, gc=False):
+class KVEventCounters(msgspec.Struct, gc=False):
     """The events a tracker emitted (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``),
-    dropped because ``kv_events_max_pending`` were waiting, and waiting now."""
+    and dropped because ``kv_events_max_pending`` were waiting."""
 
-    stored: int
-    removed: int
-    cleared: int
-    dropped: int
-    pending: int
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    dropped: int = 0
+
+
+class KVEventStatistics(KVEventCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of a tracker's counters (see :class:`KVEventCounters`), and the events
+    waiting now."""
+
+    pending: int = 0
 
 
 class KVEventTracker:
@@ -281,7 +289,7 @@ class KVEventTracker:
         self._blocks: dict[int, ChunkBlocks] = {}
         self._orphans: OrderedDict[int, None] = OrderedDict()
         self._warned = False
-        self._stored = self._removed = self._cleared = self._dropped = 0
+        self._counters = KVEventCounters()
 
     # -- what tiers call (the Trio thread) ----------------------------------------------
     def stored(self, tier: str, key: ChunkKey) -> None:
@@ -317,7 +325,7 @@ class KVEventTracker:
         hashes = self._announced.pop(slot, None)
         if hashes is not None:
             medium, locality = tier_medium(tier)
-            self._removed += 1
+            self._counters.removed += 1
             self._emit(BlockRemoved(list(hashes), medium, locality=locality, ownership=OWNERSHIP))
         refs = self._refs[h] - 1
         if refs:
@@ -345,7 +353,7 @@ class KVEventTracker:
     def clear_all(self) -> None:
         """Emit ``AllBlocksCleared`` (and forget what was announced: nothing is now)."""
         self._announced.clear()
-        self._cleared += 1
+        self._counters.cleared += 1
         self._emit(AllBlocksCleared())
 
     # -- what consumers call (any thread) -------------------------------------------------
@@ -365,13 +373,7 @@ class KVEventTracker:
         return len(self._queue)
 
     def statistics(self) -> KVEventStatistics:
-        return KVEventStatistics(
-            stored=self._stored,
-            removed=self._removed,
-            cleared=self._cleared,
-            dropped=self._dropped,
-            pending=len(self._queue),
-        )
+        return snapshot(KVEventStatistics, self._counters, pending=len(self._queue))
 
     # -- internals -----------------------------------------------------------------------
     def _is_mine(self, key: ChunkKey) -> bool:
@@ -397,7 +399,7 @@ class KVEventTracker:
             return
         medium, locality = tier_medium(tier)
         self._announced[slot] = blocks.block_hashes
-        self._stored += 1
+        self._counters.stored += 1
         self._emit(
             BlockStored(
                 list(blocks.block_hashes),
@@ -421,7 +423,7 @@ class KVEventTracker:
 
     def _emit(self, event: KVEvent) -> None:
         if len(self._queue) >= self._max_pending:
-            self._dropped += 1
+            self._counters.dropped += 1
             if not self._warned:
                 self._warned = True
                 log.warning(

@@ -62,7 +62,8 @@ _TIER_SOURCES, _REMOTE_SOURCE = _tier_sources()
 
 # -- the connector ------------------------------------------------------------------------------
 class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """lmprefetch as a vLLM v1 KV connector (see :mod:`lmprefetch.integration.vllm`).
+    """lmprefetch as a vLLM v1 KV connector (how a request travels through it:
+    :mod:`lmprefetch.integration.vllm`).
 
     It supports vLLM's hybrid KV cache manager (``SupportsHMA``), so vLLM keeps HMA on with it:
     sliding-window, mixed-head-size and Mamba / GDN hybrid models keep their per-group KV cache
