@@ -91,6 +91,12 @@ class _SchedulerSide:
         self._events: RankEventMerger | None = (
             RankEventMerger(world_size) if kv_events_wanted(vllm_config, config) else None
         )
+        # KV events name chunks by vLLM's block hashes, of this many tokens.
+        hash_block_size = int(
+            getattr(kv_cache_config, "hash_block_size", None)
+            or getattr(cache_config, "hash_block_size", None)
+            or cache_config.block_size
+        )
         self._statistics = ConnectorStatistics()
         self._reported = ConnectorStatistics()
         self._ctx = RequestContext(
@@ -100,14 +106,7 @@ class _SchedulerSide:
             statistics=self._statistics,
             known=KnownChunks(),
             claim_ttl_s=config.claim_ttl_s,
-            # KV events name chunks by vLLM's block hashes, of this many tokens.
-            hash_block_size=None
-            if self._events is None
-            else int(
-                getattr(kv_cache_config, "hash_block_size", None)
-                or getattr(cache_config, "hash_block_size", None)
-                or cache_config.block_size
-            ),
+            hash_block_size=None if self._events is None else hash_block_size,
         )
         self._requests: dict[str, ConnectorRequest] = {}
         #: Loads planned since the last step's metadata, by request id.
