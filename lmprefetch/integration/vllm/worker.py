@@ -230,7 +230,9 @@ class _WorkerSide:
         runtime = self._runtime
         loaded = [0] * len(spec.claims)  # keys loaded per claim, from its first
         if runtime is not None and self._layouts:
-            named = [(k.chunk_hash, k.name) for c in spec.claims for k in c.keys if k.name]
+            named = [
+                (k.chunk_hash, k.name) for c in spec.claims for k in c.keys if k.name is not None
+            ]
             if named and self._kv_events:
                 try:
                     runtime.describe_chunks([h for h, _ in named], [n for _, n in named])
