@@ -260,7 +260,7 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     # -- both -------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> LMPrefetchConnectorStats | None:
         side = self._scheduler if self._scheduler is not None else self._worker
-        return side.stats() if side is not None else None
+        return side.take_stats() if side is not None else None
 
     @classmethod
     def build_kv_connector_stats(

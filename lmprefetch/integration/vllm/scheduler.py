@@ -275,7 +275,7 @@ class _SchedulerSide:
         """The scheduler side's counters since start (a snapshot)."""
         return dataclasses.replace(self._statistics)
 
-    def stats(self) -> LMPrefetchConnectorStats | None:
+    def take_stats(self) -> LMPrefetchConnectorStats | None:
         """What grew since the last call (``get_kv_connector_stats``)."""
         now = self.statistics()
         grown, self._reported = LMPrefetchConnectorStats.between(self._reported, now), now

@@ -399,7 +399,7 @@ class _WorkerSide:
             deadline_cut=decisions.get("deadline_cut", 0),
         )
 
-    def stats(self) -> LMPrefetchConnectorStats | None:
+    def take_stats(self) -> LMPrefetchConnectorStats | None:
         """What grew since the last call (``get_kv_connector_stats``)."""
         now = self.statistics()
         grown, self._reported = LMPrefetchConnectorStats.between(self._reported, now), now
