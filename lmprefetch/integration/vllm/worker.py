@@ -384,20 +384,15 @@ class _WorkerSide:
 
     def statistics(self) -> ConnectorStatistics:
         """The rank's counters since start (a snapshot), with the load policy's decisions as
-        the engine counts them."""
+        the engine counts them (under the same names: a name the connector does not declare
+        is a ``TypeError``, not a counter silently lost)."""
         decisions: dict[str, int] = {}
         if self._runtime is not None:
             try:
                 decisions = self._runtime.engine.policy_counters()
             except RuntimeError:  # the runtime failed (reported when it happened)
                 pass
-        return dataclasses.replace(
-            self._statistics,
-            policy_loaded=decisions.get("policy_loaded", 0),
-            policy_truncated=decisions.get("policy_truncated", 0),
-            policy_skipped=decisions.get("policy_skipped", 0),
-            deadline_cut=decisions.get("deadline_cut", 0),
-        )
+        return dataclasses.replace(self._statistics, **decisions)
 
     def take_stats(self) -> LMPrefetchConnectorStats | None:
         """What grew since the last call (``get_kv_connector_stats``)."""
