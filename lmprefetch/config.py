@@ -309,6 +309,19 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = None
 
+    decision_log: Annotated[
+        _NonEmpty | None,
+        Meta(
+            extra={"path": True},
+            description="A file to which every lookup's load decision (the hit tier by tier, "
+            "each tier's measured cost, the prefill model, the predicted and the measured load "
+            "and recompute times), every model step the vLLM worker timed and every slow "
+            "garbage collection are appended, one JSON line each (``{rank}`` in the path is "
+            "replaced by the worker's rank).  Unset: nothing is recorded.  See "
+            "docs/policy.md.",
+        ),
+    ] = None
+
     # -- memory -----------------------------------------------------------------------
     cpu_bytes: Annotated[
         int,

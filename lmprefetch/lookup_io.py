@@ -60,9 +60,19 @@ from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
 from .lookup import AnswerCallback, _Lookup, _Lookups
 from .memory import Arena, Buffer
-from .policy import Decides, HitPart, LoadPolicy, LoadRequest, PrefillModel, when_decides
+from .policy import (
+    Decides,
+    HitPart,
+    LoadPolicy,
+    LoadRequest,
+    PrefillModel,
+    TierCost,
+    predict,
+    when_decides,
+)
 from .tiers.base import Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
+from .trace import DecisionTrace, LookupTrace, PartTrace, ProbeTrace
 
 __all__ = ["LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
 
@@ -127,9 +137,40 @@ class _Part:
         self.loaded = min(self.loaded, n_chunks)
 
 
+def _part_trace(part: HitPart, age_s: float | None) -> PartTrace:
+    cost: TierCost = part.cost
+    return PartTrace(
+        part.tier, part.chunks, part.bytes, part.zero_copy, cost.latency_s, cost.bytes_per_s, age_s
+    )
+
+
 def _release_pairs(pairs: Pairs) -> None:
     for _, buf in pairs:
         buf.release()
+
+
+class _Notes:
+    """What one lookup noted for its trace record (built only while the engine's
+    :class:`~lmprefetch.trace.DecisionTrace` has a subscriber): Trio times from its start."""
+
+    __slots__ = ("decided", "load_ended", "load_started", "not_probed", "parts", "probes", "t0")
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.probes: list[ProbeTrace] = []
+        self.not_probed: list[str] = []
+        #: The hit as the policy saw it (or would have: a policy deciding before probing).
+        self.parts: tuple[HitPart, ...] = ()
+        self.decided: float | None = None
+        self.load_started: float | None = None
+        self.load_ended: float | None = None
+
+    def loads_began(self) -> None:
+        if self.load_started is None:
+            self.load_started = trio.current_time()
+
+    def loads_ended(self) -> None:
+        self.load_ended = trio.current_time()
 
 
 class LookupIO:
@@ -148,6 +189,7 @@ class LookupIO:
         prefill: the engine's prefill cost, for the policy.
         lookups: the engine's table of lookups.
         nursery: where lookup tasks run.
+        trace: where each lookup's decision record goes (see :mod:`lmprefetch.trace`).
     """
 
     def __init__(
@@ -163,6 +205,7 @@ class LookupIO:
         prefill: PrefillModel,
         lookups: _Lookups,
         nursery: trio.Nursery,
+        trace: DecisionTrace | None = None,
     ) -> None:
         self._config = config
         self._keys = keys
@@ -183,6 +226,7 @@ class LookupIO:
         self._nursery = nursery
         self._kpc = config.keys_per_chunk
         self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
+        self._trace = trace if trace is not None else DecisionTrace()
         #: Set when the engine closes: new lookups answer 0.
         self.closed = False
 
@@ -200,6 +244,7 @@ class LookupIO:
     ) -> _Lookup:
         """See :meth:`Engine.start_lookup <lmprefetch.prefetch.Engine.start_lookup>`."""
         started = trio.current_time()
+        notes = _Notes(started) if self._trace.enabled else None
         lookups = self._lookups
         old = lookups.by_id.get(lookup_id)
         if old is not None:
@@ -240,6 +285,9 @@ class LookupIO:
             if end == skip_chunks:  # load nothing: probe nothing, hold nothing
                 lookups.note_decision(n_chunks - skip_chunks, 0)
                 rec.end(skipped_tokens)
+                if notes is not None:
+                    cum = [0, *accumulate(offsets)]
+                    self._emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
                 return rec
 
         # -- 2. memory answers: no task ---------------------------------------------------
@@ -256,11 +304,18 @@ class LookupIO:
                 _release_pairs(held[keep * self._kpc :])
                 del held[keep * self._kpc :]
             lookups.note_decision(found, keep)
+            hit_tokens = skipped_tokens
             if held:
-                hit_tokens = skipped_tokens + sum(offsets[skip_chunks : skip_chunks + keep])
+                hit_tokens += sum(offsets[skip_chunks : skip_chunks + keep])
                 rec.hold(held, hit_tokens, ((self._cpu.name, hit_tokens - skipped_tokens),))
             else:
                 rec.end(skipped_tokens)
+            if notes is not None:
+                if found:
+                    notes.parts = self._hit_parts([(self._cpu, found, True)])
+                    notes.decided = started
+                cum = [0, *accumulate(offsets)]
+                self._emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
             return rec
 
         # -- 3. a task probes and loads ---------------------------------------------------
@@ -270,7 +325,7 @@ class LookupIO:
         cum = [0, *accumulate(offsets)]
         keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
         self._nursery.start_soon(
-            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline,
+            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, notes,
             name=f"lookup:{lookup_id}",
         )  # fmt: skip
         return rec
@@ -317,15 +372,17 @@ class LookupIO:
         cum: list[int],
         skip_chunks: int,
         deadline: float,
+        notes: _Notes | None,
     ) -> None:
         """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
         until the contiguous prefix moves to the record."""
         chunks = 0  # what a lookup that fails or is cancelled answers
+        found = keep = 0
         try:
             with scope, ExitStack() as owned:
                 try:
-                    total, loaded, sources = await self._probe_and_load(
-                        keys, cum, skip_chunks, deadline, owned
+                    total, loaded, sources, found, keep = await self._probe_and_load(
+                        keys, cum, skip_chunks, deadline, owned, notes
                     )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
@@ -341,6 +398,8 @@ class LookupIO:
             # Whatever the task took is released by now: a lookup that holds nothing
             # answers here (0 once cancelled); one that holds answered above.
             rec.end(cum[chunks])
+            if notes is not None:
+                self._emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
 
     async def _probe_and_load(
         self,
@@ -349,10 +408,11 @@ class LookupIO:
         skip_chunks: int,
         deadline: float,
         owned: ExitStack,
-    ) -> tuple[int, Pairs, tuple[tuple[str, int], ...]]:
+        notes: _Notes | None = None,
+    ) -> tuple[int, Pairs, tuple[tuple[str, int], ...], int, int]:
         """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
-        ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), and the
-        tokens each tier served.
+        ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), the
+        tokens each tier served, and the chunks found and chosen (past ``skip_chunks``).
 
         A policy that decided before probing has bounded ``keys`` already: each tier's load
         starts as soon as its probe answers.  Any other policy decides once every tier was
@@ -394,8 +454,11 @@ class LookupIO:
                         tier.stats.errors += 1
                         break
                     # No checkpoint from here until the part is registered.
-                    tier.stats.observe_probe(trio.current_time() - probe_t0)
+                    probe_s = trio.current_time() - probe_t0
+                    tier.stats.observe_probe(probe_s)
                     raw = max(0, min(raw, len(remaining)))
+                    if notes is not None:
+                        notes.probes.append(ProbeTrace(tier.name, probe_s, raw // kpc))
                     pins = _Pins(tier, remaining[:raw])
                     owned.callback(pins.release)
                     hit = raw // kpc
@@ -414,11 +477,14 @@ class LookupIO:
                         part.release_buffers(part.loaded * kpc)
                         part.pins.release()
                     elif load_at_once:
-                        loads.start_soon(self._load_part, part)
+                        loads.start_soon(self._load_part, part, notes)
                 # No checkpoint from the last probe to the loads' start: the policy decides,
                 # and what it drops is released now.
                 found = next_chunk - skip_chunks
                 keep = found
+                if notes is not None and found:
+                    notes.parts = self._hit_parts([(p.tier, p.n_chunks, p.zero_copy) for p in parts])
+                    notes.decided = trio.current_time()
                 if found and not load_at_once:
                     keep = self._decide(
                         [(p.tier, p.n_chunks, p.zero_copy) for p in parts],
@@ -430,7 +496,7 @@ class LookupIO:
                         part.truncate(min(part.n_chunks, keep), kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
-                            loads.start_soon(self._load_part, part)
+                            loads.start_soon(self._load_part, part, notes)
                     keep = sum(p.n_chunks for p in parts)
                 self._lookups.note_decision(found, keep)
         # -- 4. keep the contiguous prefix; release everything past the first hole ----------
@@ -453,7 +519,7 @@ class LookupIO:
         if budget.cancelled_caught and (hole or next_chunk < n_chunks):
             # The deadline cut a load, or a probe that might have found more.
             self._lookups.note_deadline_cut()
-        return total, kept, tuple(sources)
+        return total, kept, tuple(sources), next_chunk - skip_chunks, keep
 
     # -- the policy ---------------------------------------------------------------------
     def _decide(
@@ -466,16 +532,83 @@ class LookupIO:
         """How many of the hit chunks (``parts``: tier, chunks, zero-copy, in prefix order;
         ``chunk_tokens``: the tokens of each) to load, asked of a policy that decides after
         probing.  Synchronous, so no pin or buffer changes hands while it runs."""
-        chunk_bytes = self._config.chunk_bytes
         return self._ask_policy(
             LoadRequest(
-                parts=tuple(
-                    HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost()) for t, n, zc in parts
-                ),
+                parts=self._hit_parts(parts),
                 chunk_tokens=tuple(chunk_tokens),
                 computed_tokens=computed_tokens,
                 prompt_tokens=prompt_tokens,
                 prefill=self._prefill,
+            )
+        )
+
+    def _hit_parts(self, parts: Sequence[tuple[Tier, int, bool]]) -> tuple[HitPart, ...]:
+        """The hit as a policy sees it: each tier's chunks, their bytes and the tier's cost."""
+        chunk_bytes = self._config.chunk_bytes
+        return tuple(HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost()) for t, n, zc in parts)
+
+    def _emit(
+        self,
+        notes: _Notes,
+        lookup_id: str,
+        cum: Sequence[int],
+        skip_chunks: int,
+        found: int,
+        keep: int,
+        answer: int | None,
+    ) -> None:
+        """The lookup's trace record (see :class:`~lmprefetch.trace.LookupTrace`)."""
+        t0 = notes.t0
+        computed = cum[skip_chunks]
+        request = LoadRequest(
+            parts=notes.parts,
+            chunk_tokens=tuple(cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)),
+            computed_tokens=computed,
+            prompt_tokens=cum[-1],
+            prefill=self._prefill,
+        )
+        load_s, recompute_s = predict(request, keep) if found else (None, None)
+        load_all_s = predict(request, found)[0] if found else None
+        recompute_all_s = predict(request, 0)[1] if found else None
+        coefficients, source = self._prefill.state()
+        by_name = {t.name: t for t, _ in self._probe_order}
+        decision = (
+            "miss" if not found else
+            "loaded" if keep >= found else "truncated" if keep else "skipped"
+        )  # fmt: skip
+        load = None
+        if notes.load_started is not None and notes.load_ended is not None:
+            load = notes.load_ended - notes.load_started
+        self._trace.emit(
+            LookupTrace(
+                rank=self._trace.rank,
+                lookup_id=lookup_id,
+                wall=self._trace.wall() - (trio.current_time() - t0),
+                policy=type(self.policy).__name__,
+                prompt_tokens=cum[-1],
+                computed_tokens=computed,
+                hit_chunks=found,
+                hit_tokens=cum[skip_chunks + found] - computed,
+                kept_chunks=keep,
+                kept_tokens=cum[skip_chunks + keep] - computed,
+                decision=decision,
+                parts=tuple(
+                    _part_trace(p, by_name[p.tier].stats.throughput_age_s(t0))
+                    for p in notes.parts
+                ),
+                probes=tuple(notes.probes),
+                prefill_a=None if coefficients is None else coefficients[0],
+                prefill_b=None if coefficients is None else coefficients[1],
+                prefill_source=source,
+                predicted_load_s=load_s,
+                predicted_recompute_s=recompute_s,
+                predicted_load_all_s=load_all_s,
+                predicted_recompute_all_s=recompute_all_s,
+                decided_s=None if notes.decided is None else notes.decided - t0,
+                load_s=load,
+                answered_s=trio.current_time() - t0,
+                answer_tokens=answer if answer is not None else 0,
+                not_probed=tuple(notes.not_probed),
             )
         )
 
@@ -499,13 +632,15 @@ class LookupIO:
         return keep
 
     # -- loading one tier's part ----------------------------------------------------------
-    async def _load_part(self, part: _Part) -> None:
+    async def _load_part(self, part: _Part, notes: _Notes | None = None) -> None:
         """Load one tier's hit chunks into new arena buffers, under the limiter.
 
         Only the tier's own ``load`` may fail softly (see :meth:`_tier_load`); an exception
         from anything else here is a bug in lmprefetch and fails the lookup, loudly.
         """
         kpc = self._kpc
+        if notes is not None:
+            notes.loads_began()
         try:
             async with self._limiter.hold(part.n_chunks) as granted:
                 want = granted * kpc
@@ -518,6 +653,8 @@ class LookupIO:
                     part.release_buffers(part.loaded * kpc)
         finally:
             part.pins.release()
+            if notes is not None:
+                notes.loads_ended()
 
     async def _load_batches(self, part: _Part, chunks: int) -> None:
         """Load a part's first ``chunks`` chunks (their buffers allocated) in order, in up to
@@ -578,7 +715,8 @@ class LookupIO:
         finally:
             if part.loaded:
                 n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
-                tier.stats.observe_load(n_bytes, trio.current_time() - t0)
+                now = trio.current_time()
+                tier.stats.observe_load(n_bytes, now - t0, now)
 
     async def _tier_load(
         self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]

@@ -60,6 +60,7 @@ __all__ = [
     "PrefillModel",
     "TierCost",
     "make_policy",
+    "predict",
     "when_decides",
 ]
 
@@ -206,6 +207,40 @@ class CostPolicy:
         return best_k
 
 
+def predict(request: LoadRequest, keep: int) -> tuple[float | None, float | None]:
+    """What the engine's cost model expects of loading the first ``keep`` hit chunks and
+    recomputing the rest of the hit: ``(load seconds, recompute seconds)``.
+
+    Loading costs the slowest of the tiers holding any of the first ``keep`` chunks (they
+    load side by side; a zero-copy tier costs nothing); ``None`` when one of them has not
+    been measured yet.  Recomputing chunks ``keep`` to the end of the hit costs
+    ``request.prefill.seconds``; ``None`` while the prefill model is not calibrated.  Every
+    policy's decision is recorded with these (:mod:`lmprefetch.trace`), whatever it used.
+    """
+    load: float | None = 0.0
+    left = keep
+    for part in request.parts:
+        if left <= 0:
+            break
+        take = min(left, part.chunks)
+        left -= take
+        if part.zero_copy or load is None:
+            continue
+        if part.cost.bytes_per_s is None:
+            load = None
+            continue
+        per_chunk = part.bytes / part.chunks if part.chunks else 0.0
+        load = max(load, part.cost.seconds(int(per_chunk * take)))
+    recompute: float | None = None
+    coefficients = request.prefill.coefficients()
+    if coefficients is not None:
+        start = request.computed_tokens + sum(request.chunk_tokens[:keep])
+        end = request.computed_tokens + sum(request.chunk_tokens)
+        a, b = coefficients
+        recompute = a * (end - start) + b * (end * end - start * start) if end > start else 0.0
+    return load, recompute
+
+
 class _StepBucket:
     """Moving averages of the steps of one size (see :class:`PrefillModel`)."""
 
@@ -274,14 +309,31 @@ class PrefillModel:
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token and per unit of attention work (the measured ones,
         else the configured rate's), or ``None`` when not calibrated.  Any thread."""
+        return self.state()[0]
+
+    def state(self) -> tuple[tuple[float, float] | None, str | None]:
+        """``(coefficients(), where they come from)``: ``"measured"`` (fitted from the
+        steps), ``"configured"`` (``configured_tokens_per_s``) or ``None`` (not calibrated)."""
+        fitted = self._fitted()
+        if fitted is not None:
+            return fitted[1:], "measured"
+        rate = self.configured_tokens_per_s
+        return (None, None) if rate is None else ((1.0 / rate, 0.0), "configured")
+
+    def _fitted(self) -> tuple[float, float, float] | None:
         with self._lock:
             points = [(b.t, b.q, b.y) for b in self._buckets.values()]
             samples = self._samples
-        fitted = _fit(points) if samples >= MIN_PREFILL_SAMPLES else None
-        if fitted is not None:
-            return fitted
-        rate = self.configured_tokens_per_s
-        return None if rate is None else (1.0 / rate, 0.0)
+        return _fit(points) if samples >= MIN_PREFILL_SAMPLES else None
+
+    def step_seconds(self, tokens: int, attention: int) -> float | None:
+        """The seconds the fit expects of one step of ``tokens`` tokens and ``attention``
+        work, its fixed overhead included (``None`` until the steps were fitted)."""
+        fitted = self._fitted()
+        if fitted is None:
+            return None
+        c, a, b = fitted
+        return c + a * tokens + b * attention
 
     def tokens_per_s(self) -> float | None:
         """The per-token rate (``1 / a``: measured, else configured), or ``None``."""
@@ -301,8 +353,9 @@ class PrefillModel:
         return a * (end - start) + b * (end * end - start * start)
 
 
-def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Least squares of ``y = c + a·T + b·Q`` over ``(T, Q, y)`` points, one per bucket."""
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """Least squares of ``y = c + a·T + b·Q`` over ``(T, Q, y)`` points, one per bucket:
+    ``(c, a, b)``."""
     n = len(points)
     if n < 2:
         return None
@@ -321,9 +374,9 @@ def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None
         a = (cty * vq - cqy * ctq) / det
         b = (cqy * vt - cty * ctq) / det
         if a > 0 and b >= 0:
-            return a, b
+            return my - a * mt - b * mq, a, b
     a = cty / vt
-    return (a, 0.0) if a > 0 else None
+    return (my - a * mt, a, 0.0) if a > 0 else None
 
 
 def when_decides(policy: LoadPolicy) -> Decides:

@@ -38,6 +38,7 @@ from .policy import LoadPolicy, PrefillModel, make_policy
 from .store import ChunkStore, StoreStatistics
 from .tiers.base import Tier, TierStatistics, WriteBehindTier
 from .tiers.cpu import CpuTier
+from .trace import DecisionTrace
 
 __all__ = ["Engine", "EngineStatistics", "LookupState"]
 
@@ -145,6 +146,9 @@ class Engine:
         self._lookups = _Lookups(config.claim_ttl_s)
         #: The engine's prefill cost, fed by whoever sees its model steps (the vLLM worker).
         self.prefill = PrefillModel(config.prefill_tokens_per_s)
+        #: Where each lookup's decision record goes (``decision_log``, or a subscriber; see
+        #: :mod:`lmprefetch.trace`).
+        self.trace = DecisionTrace(rank)
         self._io = LookupIO(
             config,
             keys=self.keys,
@@ -156,6 +160,7 @@ class Engine:
             prefill=self.prefill,
             lookups=self._lookups,
             nursery=nursery,
+            trace=self.trace,
         )
         self._expiry_scope = trio.CancelScope()
         nursery.start_soon(self._expire_held, name="lmprefetch-expiry")

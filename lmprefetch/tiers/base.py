@@ -90,6 +90,8 @@ class TierStats(TierCounters, gc=False):
 
     _loads_active: int = 0
     _busy_since: float = 0.0
+    #: When (Trio time) the throughput was last measured; ``None``: never.
+    _throughput_at: float | None = None
 
     def load_started(self, now: float) -> None:
         if self._loads_active == 0:
@@ -106,12 +108,20 @@ class TierStats(TierCounters, gc=False):
         """A probe (one call, no payload) took ``seconds``: the tier's per-call latency."""
         self.latency_s_ewma = _ewma(self.latency_s_ewma, max(0.0, seconds))
 
-    def observe_load(self, n_bytes: int, seconds: float) -> None:
-        """A load moved ``n_bytes`` in ``seconds``; the time past the per-call latency is the
-        transfer (a load no slower than a probe tells nothing about throughput)."""
+    def observe_load(self, n_bytes: int, seconds: float, now: float | None = None) -> None:
+        """A load moved ``n_bytes`` in ``seconds`` (ending at Trio time ``now``); the time
+        past the per-call latency is the transfer (a load no slower than a probe tells nothing
+        about throughput)."""
         transfer = seconds - (self.latency_s_ewma or 0.0)
         if n_bytes > 0 and transfer > 0:
             self.load_bytes_per_s_ewma = _ewma(self.load_bytes_per_s_ewma, n_bytes / transfer)
+            if now is not None:
+                self._throughput_at = now
+
+    def throughput_age_s(self, now: float) -> float | None:
+        """Seconds since the throughput was last measured (``None``: never, or not timed)."""
+        at = self._throughput_at
+        return None if at is None else max(0.0, now - at)
 
     def cost(self) -> TierCost:
         """The tier's cost estimate for a load policy."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...config import KV_DTYPES, PrefetchConfig
+from ...trace import StepTrace
 from .config import _worker_rank, _world_size, endpoint_names, kv_events_wanted
 from .groups import KVGroups, read_groups
 from .layout import PagedKVLayout
@@ -225,11 +226,18 @@ class _WorkerSide:
             engine = self._runtime.engine
         except RuntimeError:  # the runtime failed (reported when it happened)
             return
-        engine.prefill.observe_step(
-            meta.scheduled_tokens,
-            time.perf_counter() - began - self._step_load_s,
-            meta.scheduled_attention,
-        )
+        seconds = time.perf_counter() - began - self._step_load_s
+        tokens, attention = meta.scheduled_tokens, meta.scheduled_attention
+        trace = engine.trace
+        if trace.enabled:  # decision_log: the step, beside what the model expected of it
+            predicted = engine.prefill.step_seconds(tokens, attention)
+            trace.emit(
+                StepTrace(
+                    trace.rank, time.time() - seconds - self._step_load_s, tokens, attention,
+                    seconds, self._step_load_s, predicted,
+                )
+            )  # fmt: skip
+        engine.prefill.observe_step(tokens, seconds, attention)
 
     def _load_hybrid(self, spec: HybridLoadSpec) -> None:
         """Load a hybrid request: every planned key, or none counts (all or nothing); the
