@@ -483,7 +483,9 @@ class LookupIO:
                 found = next_chunk - skip_chunks
                 keep = found
                 if notes is not None and found:
-                    notes.parts = self._hit_parts([(p.tier, p.n_chunks, p.zero_copy) for p in parts])
+                    notes.parts = self._hit_parts(
+                        [(p.tier, p.n_chunks, p.zero_copy) for p in parts]
+                    )
                     notes.decided = trio.current_time()
                 if found and not load_at_once:
                     keep = self._decide(
@@ -562,7 +564,9 @@ class LookupIO:
         computed = cum[skip_chunks]
         request = LoadRequest(
             parts=notes.parts,
-            chunk_tokens=tuple(cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)),
+            chunk_tokens=tuple(
+                cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)
+            ),
             computed_tokens=computed,
             prompt_tokens=cum[-1],
             prefill=self._prefill,
@@ -593,8 +597,7 @@ class LookupIO:
                 kept_tokens=cum[skip_chunks + keep] - computed,
                 decision=decision,
                 parts=tuple(
-                    _part_trace(p, by_name[p.tier].stats.throughput_age_s(t0))
-                    for p in notes.parts
+                    _part_trace(p, by_name[p.tier].stats.throughput_age_s(t0)) for p in notes.parts
                 ),
                 probes=tuple(notes.probes),
                 prefill_a=None if coefficients is None else coefficients[0],
