@@ -309,6 +309,15 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = None
 
+    tier_cost_max_age_s: Annotated[
+        _Seconds,
+        Meta(
+            description="A tier's measured load throughput older than this is measured again: "
+            "when a load policy drops chunks of that tier (or of a tier never measured), two "
+            "of them are loaded in the background, not for the lookup, to measure it.  The "
+            "``cost`` policy does not trust a tier that has never been measured.",
+        ),
+    ] = 60.0
     decision_log: Annotated[
         _NonEmpty | None,
         Meta(

@@ -72,9 +72,9 @@ from .policy import (
 )
 from .tiers.base import Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
-from .trace import DecisionTrace, LookupTrace, PartTrace, ProbeTrace
+from .trace import CalibrationTrace, DecisionTrace, LookupTrace, PartTrace, ProbeTrace
 
-__all__ = ["LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
+__all__ = ["CALIBRATION_CHUNKS", "LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
 
 log = logging.getLogger("lmprefetch.engine")
 
@@ -84,6 +84,8 @@ log = logging.getLogger("lmprefetch.engine")
 LOAD_BATCHES: Final = 8
 #: ... and this many of them in flight at once.
 LOAD_DEPTH: Final = 3
+#: Chunks a background measurement of a tier loads (see :meth:`LookupIO._calibrate`).
+CALIBRATION_CHUNKS: Final = 2
 
 Pairs = list[tuple[ChunkKey, Buffer]]
 
@@ -109,12 +111,20 @@ class _Pins:
 class _Part:
     """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
 
-    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier", "zero_copy")
+    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "probe_s", "tier", "zero_copy")
 
     def __init__(
-        self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins, zero_copy: bool
+        self,
+        tier: Tier,
+        keys: list[ChunkKey],
+        n_chunks: int,
+        pins: _Pins,
+        zero_copy: bool,
+        probe_s: float | None = None,
     ):
         self.tier = tier
+        #: How long this lookup's probe of the tier took: the latency of its load's call.
+        self.probe_s = probe_s
         self.keys = keys
         self.n_chunks = n_chunks
         self.pins = pins
@@ -126,6 +136,14 @@ class _Part:
         tail, self.buffers = self.buffers[start:], self.buffers[:start]
         for buf in tail:
             buf.release()
+
+    def split_off(self, lo: int, hi: int, kpc: int) -> _Part:
+        """Chunks ``[lo, hi)`` (not loaded yet) as a part of their own, which takes their pins
+        over (synchronous: no pin is released or taken)."""
+        keys = self.keys[lo * kpc : hi * kpc]
+        taken = set(keys)
+        self.pins.keys = [k for k in self.pins.keys if k not in taken]
+        return _Part(self.tier, keys, hi - lo, _Pins(self.tier, keys), False, self.probe_s)
 
     def truncate(self, n_chunks: int, kpc: int) -> None:
         """Keep only the first ``n_chunks`` chunks: the rest's pins and buffers are released
@@ -153,12 +171,22 @@ class _Notes:
     """What one lookup noted for its trace record (built only while the engine's
     :class:`~lmprefetch.trace.DecisionTrace` has a subscriber): Trio times from its start."""
 
-    __slots__ = ("decided", "load_ended", "load_started", "not_probed", "parts", "probes", "t0")
+    __slots__ = (
+        "calibrating",
+        "decided",
+        "load_ended",
+        "load_started",
+        "not_probed",
+        "parts",
+        "probes",
+        "t0",
+    )
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0
         self.probes: list[ProbeTrace] = []
         self.not_probed: list[str] = []
+        self.calibrating: list[str] = []
         #: The hit as the policy saw it (or would have: a policy deciding before probing).
         self.parts: tuple[HitPart, ...] = ()
         self.decided: float | None = None
@@ -221,6 +249,14 @@ class LookupIO:
         #: The load policy, and whether it decides before probing (read once).
         self.policy = policy
         self._decides_first = when_decides(policy) is Decides.BEFORE_PROBING
+        #: The policy's ``worth_probing`` (asked before each tier that is not zero-copy is
+        #: probed), or ``None``.
+        self._worth_probing = (
+            None if self._decides_first else getattr(policy, "worth_probing", None)
+        )
+        #: Background measurements of tiers in flight: their cancel scopes, by tier name.
+        self._calibrations: dict[str, trio.CancelScope] = {}
+        self._calibrated = trio.lowlevel.ParkingLot()
         self._prefill = prefill
         self._lookups = lookups
         self._nursery = nursery
@@ -290,8 +326,16 @@ class LookupIO:
                     self._emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
                 return rec
 
+        ruled_out: frozenset[Tier] = frozenset()
+        if self._worth_probing is not None:
+            ruled_out = self._not_worth_probing(offsets[skip_chunks:end], skipped_tokens, offsets)
+            if ruled_out:
+                lookups.note_unprobed()
+                if notes is not None:
+                    notes.not_probed.extend(t.name for t, _ in self._probe_order if t in ruled_out)
+
         # -- 2. memory answers: no task ---------------------------------------------------
-        held = self._hits_in_memory(hashes, skip_chunks, end)
+        held = self._hits_in_memory(hashes, skip_chunks, end, ruled_out)
         if held is not None:
             found = keep = len(held) // self._kpc
             if found and not self._decides_first:
@@ -325,16 +369,58 @@ class LookupIO:
         cum = [0, *accumulate(offsets)]
         keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
         self._nursery.start_soon(
-            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, notes,
+            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, notes, ruled_out,
             name=f"lookup:{lookup_id}",
         )  # fmt: skip
         return rec
 
-    def _hits_in_memory(self, hashes: Sequence[int], skip_chunks: int, end: int) -> Pairs | None:
+    def _not_worth_probing(
+        self, chunk_tokens: Sequence[int], computed_tokens: int, offsets: Sequence[int]
+    ) -> frozenset[Tier]:
+        """The tiers the policy's ``worth_probing`` rules out for this lookup: asked, for each
+        tier that is not zero-copy, with one hypothetical part (the tier holding every chunk
+        the lookup may hit).  A ``worth_probing`` that raises is logged and rules nothing
+        out."""
+        worth_probing = self._worth_probing
+        assert worth_probing is not None
+        n = len(chunk_tokens)
+        if n == 0:
+            return frozenset()
+        now = trio.current_time()
+        max_age = self._config.tier_cost_max_age_s
+        n_bytes = n * self._config.chunk_bytes
+        out = []
+        for tier, zero_copy in self._probe_order:
+            if zero_copy:
+                continue
+            request = LoadRequest(
+                parts=(HitPart(tier.name, n, n_bytes, False, tier.stats.cost(now, max_age)),),
+                chunk_tokens=tuple(chunk_tokens),
+                computed_tokens=computed_tokens,
+                prompt_tokens=sum(offsets),
+                prefill=self._prefill,
+            )
+            try:
+                worth = bool(worth_probing(request))
+            except Exception:
+                log.exception("load policy %r: worth_probing failed; probing", self.policy)
+                worth = True
+            if not worth:
+                out.append(tier)
+        return frozenset(out)
+
+    def _hits_in_memory(
+        self,
+        hashes: Sequence[int],
+        skip_chunks: int,
+        end: int,
+        ruled_out: frozenset[Tier] = frozenset(),
+    ) -> Pairs | None:
         """The lookup's result when no tier needs I/O to tell, else ``None``.
 
         That is the case when the CPU tier holds every chunk up to ``end``, or holds a prefix
-        that every other tier can rule out going on from (``contains_now`` is ``False``): then
+        that every other tier can rule out going on from (``contains_now`` is ``False``, or the
+        policy ruled the tier out: ``ruled_out``): then
         probing is a dictionary walk and loading is taking owner references, all synchronous.
         Returns the ``(key, buffer)`` pairs of the whole chunks hit (owner references the
         caller now owns), possibly none.
@@ -348,7 +434,7 @@ class LookupIO:
             if not cpu.contains_now(nxt):
                 # Can a tier after the CPU tier go on from here?  (None: it cannot tell.)
                 for tier in self._other_tiers:
-                    if tier.contains_now(nxt) is not False:
+                    if tier not in ruled_out and tier.contains_now(nxt) is not False:
                         return None
                 break
             firsts.append(nxt)
@@ -373,6 +459,7 @@ class LookupIO:
         skip_chunks: int,
         deadline: float,
         notes: _Notes | None,
+        ruled_out: frozenset[Tier],
     ) -> None:
         """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
         until the contiguous prefix moves to the record."""
@@ -382,7 +469,7 @@ class LookupIO:
             with scope, ExitStack() as owned:
                 try:
                     total, loaded, sources, found, keep = await self._probe_and_load(
-                        keys, cum, skip_chunks, deadline, owned, notes
+                        keys, cum, skip_chunks, deadline, owned, notes, ruled_out
                     )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
@@ -409,6 +496,7 @@ class LookupIO:
         deadline: float,
         owned: ExitStack,
         notes: _Notes | None = None,
+        ruled_out: frozenset[Tier] = frozenset(),
     ) -> tuple[int, Pairs, tuple[tuple[str, int], ...], int, int]:
         """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
         ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), the
@@ -438,6 +526,8 @@ class LookupIO:
                 for tier, zero_copy in self._probe_order:
                     if next_chunk >= n_chunks:
                         break  # everything hit: stop probing early
+                    if tier in ruled_out:
+                        continue  # the policy: no load from it could win
                     remaining = keys[next_chunk * kpc :]
                     probe_t0 = trio.current_time()
                     try:
@@ -465,7 +555,7 @@ class LookupIO:
                     pins.release_from(hit * kpc)  # round down to whole chunks
                     if hit == 0:
                         continue  # the next tier gets the same keys
-                    part = _Part(tier, remaining[: hit * kpc], hit, pins, zero_copy)
+                    part = _Part(tier, remaining[: hit * kpc], hit, pins, zero_copy, probe_s)
                     parts.append(part)
                     next_chunk += hit
                     if zero_copy:
@@ -495,7 +585,14 @@ class LookupIO:
                         cum[-1],
                     )
                     for part in parts:
-                        part.truncate(min(part.n_chunks, keep), kpc)
+                        chosen = max(0, min(part.n_chunks, keep))
+                        if chosen < part.n_chunks and self._needs_measuring(part):
+                            # Chunks of a tier not measured (lately) go: measure it with some.
+                            hi = min(part.n_chunks, chosen + CALIBRATION_CHUNKS)
+                            self._calibrate_soon(part.split_off(chosen, hi, kpc))
+                            if notes is not None:
+                                notes.calibrating.append(part.tier.name)
+                        part.truncate(chosen, kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
                             loads.start_soon(self._load_part, part, notes)
@@ -547,7 +644,11 @@ class LookupIO:
     def _hit_parts(self, parts: Sequence[tuple[Tier, int, bool]]) -> tuple[HitPart, ...]:
         """The hit as a policy sees it: each tier's chunks, their bytes and the tier's cost."""
         chunk_bytes = self._config.chunk_bytes
-        return tuple(HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost()) for t, n, zc in parts)
+        now, max_age = trio.current_time(), self._config.tier_cost_max_age_s
+        return tuple(
+            HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost(now, max_age))
+            for t, n, zc in parts
+        )
 
     def _emit(
         self,
@@ -612,6 +713,7 @@ class LookupIO:
                 answered_s=trio.current_time() - t0,
                 answer_tokens=answer if answer is not None else 0,
                 not_probed=tuple(notes.not_probed),
+                calibrating=tuple(notes.calibrating),
             )
         )
 
@@ -633,6 +735,72 @@ class LookupIO:
                 self._prefill.coefficients(),
             )  # fmt: skip
         return keep
+
+    # -- measuring a tier in the background ------------------------------------------------
+    def _needs_measuring(self, part: _Part) -> bool:
+        """Whether dropped chunks of ``part`` should measure its tier: not zero-copy, its
+        throughput never measured or older than ``tier_cost_max_age_s``, and no measurement
+        of it in flight."""
+        if part.zero_copy or part.tier.name in self._calibrations or self.closed:
+            return False
+        stats = part.tier.stats
+        if stats.load_bytes_per_s_ewma is None:
+            return True
+        age = stats.throughput_age_s(trio.current_time())
+        return age is not None and age > self._config.tier_cost_max_age_s
+
+    def _calibrate_soon(self, part: _Part) -> None:
+        """Start measuring ``part``'s tier by loading ``part`` (which owns its pins) in the
+        background; synchronous, so the task owns the part from here on."""
+        scope = trio.CancelScope()
+        self._calibrations[part.tier.name] = scope
+        self._nursery.start_soon(self._calibrate, part, scope, name=f"calibrate:{part.tier.name}")
+
+    async def _calibrate(self, part: _Part, scope: trio.CancelScope) -> None:
+        """Load ``part`` into arena buffers under the limiter, as a lookup's load (its time
+        measures the tier's throughput: :meth:`_load_batches`), then release everything.
+        Cancelled when the engine closes."""
+        tier = part.tier
+        t0 = trio.current_time()
+        try:
+            with scope:
+                await self._load_part(part)
+        finally:
+            loaded = part.loaded
+            n_bytes = sum(len(buf.view()) for buf in part.buffers[: loaded * self._kpc])
+            part.release_buffers()
+            part.pins.release()
+            del self._calibrations[tier.name]
+            self._calibrated.unpark_all()
+            if loaded:
+                tier.stats.calibrations += 1
+            if self._trace.enabled:
+                seconds = trio.current_time() - t0
+                self._trace.emit(
+                    CalibrationTrace(
+                        self._trace.rank, self._trace.wall() - seconds, tier.name, loaded,
+                        n_bytes, seconds, tier.stats.load_bytes_per_s_ewma,
+                    )
+                )  # fmt: skip
+
+    @property
+    def calibrating(self) -> int:
+        """Background measurements of tiers in flight."""
+        return len(self._calibrations)
+
+    async def wait_calibrated(self) -> None:
+        """Wait until no background measurement is in flight (a checkpoint either way)."""
+        if not self._calibrations:
+            await trio.lowlevel.checkpoint()
+            return
+        while self._calibrations:
+            await self._calibrated.park()
+
+    def close(self) -> None:
+        """New lookups answer 0; background measurements are cancelled."""
+        self.closed = True
+        for scope in self._calibrations.values():
+            scope.cancel()
 
     # -- loading one tier's part ----------------------------------------------------------
     async def _load_part(self, part: _Part, notes: _Notes | None = None) -> None:
@@ -719,7 +887,7 @@ class LookupIO:
             if part.loaded:
                 n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
                 now = trio.current_time()
-                tier.stats.observe_load(n_bytes, now - t0, now)
+                tier.stats.observe_load(n_bytes, now - t0, now, part.probe_s)
 
     async def _tier_load(
         self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]

@@ -332,6 +332,7 @@ class Engine:
             "policy_loaded": c.policy_loaded,
             "policy_truncated": c.policy_truncated,
             "policy_skipped": c.policy_skipped,
+            "policy_unprobed": c.policy_unprobed,
             "deadline_cut": c.deadline_cut,
         }
 
@@ -430,6 +431,9 @@ class Engine:
         nothing (no pin, no limiter weight, no buffer but those claimers hold).  Always a
         checkpoint."""
         await self._lookups.wait_quiet()
+        while self._io.calibrating:  # background measurements of tiers own loads too
+            await self._io.wait_calibrated()
+            await self._lookups.wait_quiet()
 
     def is_idle(self) -> bool:
         """Nothing in flight or held, and the conservation invariant holds: no pin, no limiter
@@ -438,6 +442,7 @@ class Engine:
         return bool(
             lookups.inflight == 0
             and lookups.held == 0
+            and self._io.calibrating == 0
             and all(t.pinned_count() == 0 for t in self.tiers)
             and self.limiter.used == 0
             and self.arena.used_bytes == self.cpu.resident_bytes
@@ -450,6 +455,6 @@ class Engine:
     def _close(self) -> None:
         """Start closing (synchronous): cancel every lookup (held results are released at
         once) and stop the expiry task; new lookups answer 0."""
-        self._io.closed = True
+        self._io.close()
         self._lookups.cancel_all()
         self._expiry_scope.cancel()

@@ -18,6 +18,7 @@ import trio
 
 from lmprefetch import PrefetchConfig, open_engine
 from lmprefetch.keys import ChunkKey
+from lmprefetch.lookup_io import CALIBRATION_CHUNKS
 from lmprefetch.memory import Buffer
 from lmprefetch.policy import (
     AlwaysLoad,
@@ -301,36 +302,101 @@ async def test_an_engine_with_a_bad_custom_policy_does_not_open() -> None:
 
 
 # -- in the engine -------------------------------------------------------------------------------
-async def test_a_slow_tier_is_measured_then_skipped(autojump_clock: trio.abc.Clock) -> None:
+async def test_a_tier_is_measured_before_it_is_trusted_then_skipped_unprobed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A tier never measured is not trusted: its first hit is recomputed, and two of its
+    chunks are loaded in the background to measure it (it used to count as free, so its
+    first hit was loaded whatever it cost).  Measured too slow, it is then not even probed:
+    the lookup answers without waiting for its round trip."""
     slow = _slow()
     async with engine_with(_config(load_policy="cost", prefill_tokens_per_s=10_000), slow) as eng:
         first = await put_in(slow, eng, _prompt(8, 1), _data(8, 1))
         second = await put_in(slow, eng, _prompt(8, 2), _data(8, 2))
-        # Not yet measured: the slow tier costs nothing, so the first lookup loads it all.
-        assert await eng.lookup_and_prefetch("a", first, [CS] * 8) == 8 * CS
-        eng.cancel("a")
+        t0 = trio.current_time()
+        assert await eng.lookup_and_prefetch("a", first, [CS] * 8) == 0
+        assert trio.current_time() - t0 == pytest.approx(0.020)  # the probe alone
+        await eng.wait_quiet()  # the measurement, in the background
+        assert slow.loads_started == 1
+        assert slow.stats.chunks_loaded == CALIBRATION_CHUNKS
         tier = eng.statistics().tier("slow")
+        assert tier.calibrations == 1
         assert tier.latency_s_ewma == pytest.approx(0.020, rel=1e-3)
         assert tier.load_bytes_per_s_ewma == pytest.approx(5 * MB, rel=1e-3)
-        # Now it is: 8 chunks take 125 ms to load and 51 ms to compute.  Skip them.
-        loads = slow.loads_started
+        # Now it is measured: 8 chunks take 125 ms to load and 51 ms to compute, and no run of
+        # them loads faster than it computes.  Not probed, nothing read, answered at once.
+        probed = slow.keys_probed
+        t0 = trio.current_time()
         assert await eng.lookup_and_prefetch("b", second, [CS] * 8) == 0
-        assert slow.loads_started == loads  # nothing was read
+        assert trio.current_time() == t0
+        assert (slow.keys_probed, slow.loads_started) == (probed, 1)
         lookups = eng.statistics().lookups
-        assert (lookups.policy_loaded, lookups.policy_skipped) == (1, 1)
+        assert (lookups.policy_skipped, lookups.policy_unprobed) == (1, 1)
+        assert lookups.policy_loaded == 0
         await eng.wait_quiet()
         assert_conserved(eng)
+
+
+async def test_a_tier_measured_long_ago_is_probed_and_measured_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Past ``tier_cost_max_age_s`` the slow tier is probed again (its cost may have changed)
+    and, its chunks dropped, measured again in the background; a link that became fast is
+    then loaded from."""
+    slow = _slow()
+    config = _config(load_policy="cost", prefill_tokens_per_s=10_000, tier_cost_max_age_s=30.0)
+    async with engine_with(config, slow) as eng:
+        hashes = [await put_in(slow, eng, _prompt(8, i), _data(8, i)) for i in range(4)]
+        assert await eng.lookup_and_prefetch("a", hashes[0], [CS] * 8) == 0
+        await eng.wait_quiet()
+        assert await eng.lookup_and_prefetch("b", hashes[1], [CS] * 8) == 0
+        assert eng.statistics().lookups.policy_unprobed == 1
+        slow.bytes_per_s = 500 * MB  # the link got faster
+        slow.rtt_s = 0.001
+        await trio.sleep(31.0)
+        assert await eng.lookup_and_prefetch("c", hashes[2], [CS] * 8) == 0  # probed, measured
+        await eng.wait_quiet()
+        assert eng.statistics().tier("slow").calibrations == 2
+        assert await eng.lookup_and_prefetch("d", hashes[3], [CS] * 8) == 8 * CS
+        eng.cancel("d")
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_closing_the_engine_during_a_measurement_releases_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = _slow()
+    slow.load_hang = True
+    async with engine_with(_config(load_policy="cost", prefill_tokens_per_s=10_000), slow) as eng:
+        hashes = await put_in(slow, eng, _prompt(8, 1), _data(8, 1))
+        assert await eng.lookup_and_prefetch("a", hashes, [CS] * 8) == 0
+        await trio.sleep(1.0)  # (Trio's mock clock) past the load's round trip
+        assert slow.loads_started == 1  # the measurement hangs in its load
+        assert eng.statistics().pinned_chunks == CALIBRATION_CHUNKS
+        assert not eng.is_idle()
+    # Closed: the measurement was cancelled and released everything.
+    assert slow.pinned_count() == 0
+    assert eng.arena.used_slots == 0
+
+
+class CostProbingAll(CostPolicy):
+    """``cost`` that probes every tier (``tests.test_policy:CostProbingAll``), to see its
+    truncation in the engine."""
+
+    def worth_probing(self, request: LoadRequest) -> bool:
+        return True
 
 
 async def test_a_cpu_hit_is_loaded_and_a_slow_tail_truncated(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     slow = _slow()
-    config = _config(load_policy="cost", prefill_tokens_per_s=10_000)
+    config = _config(load_policy="tests.test_policy:CostProbingAll", prefill_tokens_per_s=10_000)
     async with engine_with(config, slow) as eng:
         warm = await put_in(slow, eng, _prompt(4, 9), _data(4, 9))
-        assert await eng.lookup_and_prefetch("warm", warm, [CS] * 4) == 4 * CS  # measures it
-        eng.cancel("warm")
+        assert await eng.lookup_and_prefetch("warm", warm, [CS] * 4) == 0  # measures it
+        await eng.wait_quiet()
         prompt, data = _prompt(8, 3), _data(8, 3)
         hashes = eng.hasher.hash(prompt)
         assert await eng.store(prompt[: 4 * CS], data[:4]) == 4  # the CPU tier: chunks 0-3
@@ -351,7 +417,8 @@ async def test_a_cpu_hit_is_loaded_and_a_slow_tail_truncated(
             assert [bytes(b.view()) for _, b in got] == data[:4]
         lookups = eng.statistics().lookups
         assert lookups.policy_truncated == 1
-        assert lookups.policy_loaded == 2
+        assert lookups.policy_loaded == 1
+        assert lookups.policy_skipped == 1
         await eng.wait_quiet()
         assert_conserved(eng)
 
