@@ -328,7 +328,7 @@ class LookupIO:
 
         ruled_out: frozenset[Tier] = frozenset()
         if self._worth_probing is not None:
-            ruled_out = self._not_worth_probing(offsets[skip_chunks:end], skipped_tokens, offsets)
+            ruled_out = self._not_worth_probing(hashes, offsets, skip_chunks, end)
             if ruled_out:
                 lookups.note_unprobed()
                 if notes is not None:
@@ -375,28 +375,34 @@ class LookupIO:
         return rec
 
     def _not_worth_probing(
-        self, chunk_tokens: Sequence[int], computed_tokens: int, offsets: Sequence[int]
+        self, hashes: Sequence[int], offsets: Sequence[int], skip_chunks: int, end: int
     ) -> frozenset[Tier]:
-        """The tiers the policy's ``worth_probing`` rules out for this lookup: asked, for each
-        tier that is not zero-copy, with one hypothetical part (the tier holding every chunk
-        the lookup may hit).  A ``worth_probing`` that raises is logged and rules nothing
-        out."""
+        """The tiers the policy's ``worth_probing`` rules out for this lookup, each asked with
+        the chunks the CPU tier holds (free, found without I/O) and one hypothetical part: the
+        tier holding every further chunk up to ``end``.  A ``worth_probing`` that raises is
+        logged and rules nothing out."""
         worth_probing = self._worth_probing
         assert worth_probing is not None
-        n = len(chunk_tokens)
-        if n == 0:
+        cpu, first_key = self._cpu, self._keys.first_key
+        in_cpu = skip_chunks
+        while in_cpu < end and cpu.contains_now(first_key(hashes[in_cpu])):
+            in_cpu += 1
+        rest = end - in_cpu
+        if rest == 0:
             return frozenset()
         now = trio.current_time()
         max_age = self._config.tier_cost_max_age_s
-        n_bytes = n * self._config.chunk_bytes
+        chunk_bytes = self._config.chunk_bytes
+        known = self._hit_parts([(cpu, in_cpu - skip_chunks, True)]) if in_cpu > skip_chunks else ()
         out = []
         for tier, zero_copy in self._probe_order:
             if zero_copy:
                 continue
+            cost = tier.stats.cost(now, max_age)
             request = LoadRequest(
-                parts=(HitPart(tier.name, n, n_bytes, False, tier.stats.cost(now, max_age)),),
-                chunk_tokens=tuple(chunk_tokens),
-                computed_tokens=computed_tokens,
+                parts=(*known, HitPart(tier.name, rest, rest * chunk_bytes, False, cost)),
+                chunk_tokens=tuple(offsets[skip_chunks:end]),
+                computed_tokens=sum(offsets[:skip_chunks]),
                 prompt_tokens=sum(offsets),
                 prefill=self._prefill,
             )

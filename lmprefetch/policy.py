@@ -241,6 +241,18 @@ class CostPolicy:
         coefficients = request.prefill.coefficients()  # one read: the model may move meanwhile
         if n == 0 or coefficients is None:
             return n
+        best_k = self._best(request, coefficients)
+        # Remember, per measured tier that held chunks, whether any of them is loaded.
+        first = 0
+        for part in request.parts:
+            if not part.zero_copy and part.cost.measured:
+                self._loaded[part.tier] = best_k > first
+            first += part.chunks
+        return best_k
+
+    def _best(self, request: LoadRequest, coefficients: tuple[float, float]) -> int:
+        """The ``k`` that minimises ``load(k) − prefill(k)`` (ties: the longer prefix), a
+        tier's load weighted by :meth:`_factor`; nothing from a tier not measured."""
         a, b = coefficients
         best_k, best = 0, 0.0  # load nothing: cost 0 relative to recomputing all
         slowest = 0.0  # the load time of the chunks taken so far (the tiers load side by side)
@@ -263,45 +275,28 @@ class CostPolicy:
                 gain = slowest - (a * (end - start) + b * (end * end - start * start))
                 if gain <= best:
                     best_k, best = k, gain
-        # Remember, per measured tier that held chunks, whether any of them is loaded.
-        first = 0
-        for part in request.parts:
-            if not part.zero_copy and part.cost.measured:
-                self._loaded[part.tier] = best_k > first
-            first += part.chunks
         return best_k
 
     def worth_probing(self, request: LoadRequest) -> bool:
-        """Whether probing the tier of ``request``'s one part could lead to a load: the part
-        is hypothetical, the tier holding every chunk the lookup could hit.
+        """Whether probing a tier could lead to loading from it.  ``request.parts`` is the hit
+        as far as it is known without I/O (the chunks the CPU tier holds, free), then one
+        hypothetical part: the tier asked about, holding every further chunk the lookup could
+        hit.
 
-        ``True`` when the tier is zero-copy, not measured (or measured long ago: a probe and
-        the measurement that may follow keep its cost current), when the prefill cost is not
-        known, or when some run of the chunks ending with the last (the dearest to recompute:
-        attention grows with the context) loads faster than it is recomputed; ``False``
-        otherwise: the lookup then answers without waiting for the tier."""
+        ``True`` when that tier is zero-copy, not measured (or measured long ago: a probe,
+        and the measurement that may follow, keep its cost current), when the prefill cost is
+        not known, or when the best prefix of the hypothetical hit takes some of the tier's
+        chunks (a shorter part of it is among the prefixes weighed); ``False`` otherwise: the
+        lookup then answers without waiting for the tier's round trip."""
         coefficients = request.prefill.coefficients()
-        if coefficients is None or len(request.parts) != 1:
+        if coefficients is None or not request.parts:
             return True
-        part = request.parts[0]
+        part = request.parts[-1]
         cost = part.cost
-        if part.zero_copy or not cost.measured or cost.stale or not part.chunks:
+        if part.zero_copy or not cost.measured or cost.stale:
             return True
-        a, b = coefficients
-        per_chunk = part.bytes / part.chunks
-        per_chunk_s = cost.seconds(int(per_chunk)) - (cost.latency_s or 0.0)
-        factor = self._factor(part.tier)
-        latency = cost.latency_s or 0.0
-        end = request.computed_tokens + sum(request.chunk_tokens)
-        transfer = recompute = 0.0
-        for tokens in reversed(request.chunk_tokens):
-            start = end - tokens
-            transfer += per_chunk_s
-            recompute += a * tokens + b * (end * end - start * start)
-            if factor * (latency + transfer) < recompute:
-                return True
-            end = start
-        return False
+        before = request.hit_chunks - part.chunks
+        return self._best(request, coefficients) > before
 
 
 def predict(request: LoadRequest, keep: int) -> tuple[float | None, float | None]:
@@ -339,11 +334,17 @@ def predict(request: LoadRequest, keep: int) -> tuple[float | None, float | None
 
 
 class _StepBucket:
-    """The last steps of one size (see :class:`PrefillModel`): its point is the step of
-    median time among the last :data:`BUCKET_STEPS` (the faster of the two middle ones when
-    they are even), so that one slow step (the first of its size after a start, a step that
-    shared the machine with a collection or another process) does not move the fit, and a
-    lasting change does within a few steps."""
+    """The last steps of one size (see :class:`PrefillModel`): its point is a low quantile of
+    the last :data:`BUCKET_STEPS` by time (the fastest of up to four, the second fastest of
+    five), so that a slow step (the first of its size after a start, a step that shared the
+    machine with another process) does not move the fit, and a lasting change does within a
+    few steps.
+
+    Low, not central: a step is only ever slowed down by what it shares the machine with, and
+    the estimate must not err towards dear recomputing.  A policy that believes recomputing is
+    dearer than it is loads instead, and so never computes a step of that size again to learn
+    otherwise; one that believes it cheaper recomputes, and the steps it computes correct the
+    estimate."""
 
     __slots__ = ("steps",)
 
@@ -355,7 +356,7 @@ class _StepBucket:
 
     def point(self) -> tuple[float, float, float]:
         ordered = sorted(self.steps, key=lambda step: step[2])
-        return ordered[(len(ordered) - 1) // 2]
+        return ordered[(len(ordered) - 1) // 4]
 
 
 class PrefillModel:

@@ -120,10 +120,11 @@ class TierStats(TierCounters, gc=False):
     ) -> None:
         """A load moved ``n_bytes`` in ``seconds`` (ending at Trio time ``now``); the time
         past the per-call latency (``latency_s``: the same lookup's probe, else the moving
-        average) is the transfer (a load no slower than that tells nothing about
-        throughput)."""
+        average) is the transfer, but at least half the load's time: a call's latency on a
+        busy machine is mostly waiting for a thread, and a probe that waited longer than the
+        load took must not leave the tier unmeasured (on a fast link it did, every time)."""
         latency = self.latency_s_ewma if latency_s is None else latency_s
-        transfer = seconds - (latency or 0.0)
+        transfer = max(seconds - (latency or 0.0), 0.5 * seconds)
         if n_bytes > 0 and transfer > 0:
             self.load_bytes_per_s_ewma = _ewma(self.load_bytes_per_s_ewma, n_bytes / transfer)
             if now is not None:

@@ -20,8 +20,9 @@ from typing import Any
 
 __all__ = ["decision_counts", "decision_rows", "format_decisions", "summarize_decisions"]
 
-#: The decisions, in the order the tables count them.
-DECISIONS = ("loaded", "truncated", "skipped")
+#: The decisions, in the order the tables count them ("not probed": the policy ruled the
+#: tier out before probing it, and the prompt was recomputed).
+DECISIONS = ("loaded", "truncated", "skipped", "not probed")
 
 
 def _ms(seconds: float | None) -> float:
@@ -42,10 +43,15 @@ def decision_rows(
         steps = [r for r in window if r["kind"] == "step"]
         gcs = [r for r in window if r["kind"] == "gc"]
         lookup = lookups[-1] if lookups else None
+        decision = "no lookup"
+        if lookup is not None:
+            decision = lookup["decision"]
+            if decision == "miss" and lookup.get("not_probed"):
+                decision = "not probed"  # the policy recomputed without asking the tier
         row: dict[str, Any] = {
             "question": i + 1,
             "ttft_ms": ttft * 1e3,
-            "decision": lookup["decision"] if lookup else "no lookup",
+            "decision": decision,
             "hit_chunks": lookup["hit_chunks"] if lookup else 0,
             "kept_chunks": lookup["kept_chunks"] if lookup else 0,
             "lookups": len(lookups),
@@ -60,6 +66,12 @@ def decision_rows(
             "gc_ms": sum(float(g["seconds"]) for g in gcs) * 1e3,
         }
         first_step = min((float(s["wall"]) for s in steps), default=math.nan)
+        steps_end = max(
+            (float(s["wall"]) + float(s["load_s"]) + float(s["seconds"]) for s in steps),
+            default=math.nan,
+        )
+        # After the last step: sampling, the output's way to the client.
+        row["after_steps_ms"] = (end - steps_end) * 1e3
         if lookup is not None:
             answered = float(lookup["wall"]) + float(lookup["answered_s"])
             row.update(
@@ -145,12 +157,12 @@ def format_decisions(name: str, policy: str, rows: Sequence[dict[str, Any]]) -> 
     counts = decision_counts(rows)
     lines = [
         f"  {name} ({policy}): {counts['loaded']} loaded whole / {counts['truncated']} truncated"
-        f" / {counts['skipped']} skipped"
+        f" / {counts['skipped']} skipped / {counts['not probed']} not probed"
         + (f" / {counts['no lookup']} without a lookup" if counts["no lookup"] else "")
         + "; ms, predicted/measured:",
         f"    {'#':>3}{'TTFT':>7}  {'decision':<10}{'kept':>6}{'load p/m':>13}"
-        f"{'recomp. hit p':>15}{'steps p/m':>13}{'probe':>7}{'lookup':>8}{'wait':>7}{'gc':>5}"
-        "  tiers (latency ms, MB/s)",
+        f"{'recomp. hit p':>15}{'steps p/m':>13}{'probe':>7}{'lookup':>8}{'wait':>7}"
+        f"{'after':>7}{'gc':>5}  tiers (latency ms, MB/s)",
     ]
     for r in rows:
         tiers = ", ".join(
@@ -168,6 +180,6 @@ def format_decisions(name: str, policy: str, rows: Sequence[dict[str, Any]]) -> 
             f"{_f(r['predicted_recompute_all_ms']):>15}"
             f"{_f(r['predicted_steps_ms']) + '/' + _f(r['measured_steps_ms']):>13}"
             f"{_f(r['probe_ms']):>7}{_f(r['lookup_ms']):>8}{_f(r['wait_ms']):>7}"
-            f"{_f(r['gc_ms']):>5}  {tiers}"
+            f"{_f(r['after_steps_ms']):>7}{_f(r['gc_ms']):>5}  {tiers}"
         )
     return lines

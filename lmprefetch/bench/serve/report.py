@@ -428,8 +428,9 @@ def format_report(summary: dict[str, Any]) -> str:
             "load p/m = the kept chunks' load, predicted/measured; recomp. hit p = recomputing "
             "the whole hit, predicted; steps p/m = the model steps between the question and its "
             "first token, predicted by the prefill fit/measured; probe, lookup = the probes' "
-            "and the lookup's time; wait = from the lookup's answer to vLLM's step; gc = "
-            "garbage collection in the server meanwhile.",
+            "and the lookup's time; wait = from the lookup's answer to vLLM's step; after = "
+            "from the last step to the first token at the client; gc = garbage collection in "
+            "the server meanwhile.",
         ]
         for name, e in tables:
             lines += format_decisions(name, e["load_policy"], e["decisions"])

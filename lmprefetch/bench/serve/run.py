@@ -46,7 +46,7 @@ from .client import RequestFailed
 from .hybrid_models import sliding_window_variant
 from .link_scenario import run_link_scenario
 from .model import write_model
-from .options import SCENARIOS, Scenario, ServeBenchOptions
+from .options import Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
 from .rounds import (
     ProbeResult,
@@ -363,9 +363,7 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
             probe_prompts=probe_prompts(opts.probes, opts.probe_tokens, opts.vocab, opts.seed),
             progress=progress,
         )
-        for sc in SCENARIOS:
-            if sc.name not in opts.scenarios:
-                continue
+        for sc in opts.scenarios_to_run():
             try:
                 raw[sc.name] = await run_scenario(ctx, sc)
             except ScenarioUnavailable as exc:  # from the preflight, before any process
