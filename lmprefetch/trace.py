@@ -128,7 +128,10 @@ class StepTrace(msgspec.Struct, frozen=True, gc=False, tag="step", tag_field="ki
     """One model step the vLLM worker timed: ``tokens`` (``T``) and ``attention`` (``Q``)
     computed in ``seconds`` (from the binding of its metadata to its save, less
     ``load_s`` spent in its loads), and the seconds the prefill model predicted for it before
-    it was added (``None`` while not calibrated)."""
+    it was added (``None`` while not calibrated).  ``cpu_s``: the CPU time the whole process
+    (every thread) used meanwhile, loads included: far below ``(seconds + load_s)`` times the
+    threads computing, the step waited for the machine (other processes had its cores); far
+    above, other threads of the process were busy too."""
 
     rank: int
     wall: float
@@ -137,6 +140,7 @@ class StepTrace(msgspec.Struct, frozen=True, gc=False, tag="step", tag_field="ki
     seconds: float
     load_s: float
     predicted_s: float | None
+    cpu_s: float | None = None
 
 
 class GcTrace(msgspec.Struct, frozen=True, gc=False, tag="gc", tag_field="kind"):

@@ -58,6 +58,11 @@ def decision_rows(
             "steps": len(steps),
             "step_tokens": sum(int(s["tokens"]) for s in steps),
             "measured_steps_ms": sum(float(s["seconds"]) for s in steps) * 1e3,
+            "steps_cpu_ms": (
+                sum(float(s["cpu_s"]) for s in steps) * 1e3
+                if steps and all(s.get("cpu_s") is not None for s in steps)
+                else math.nan
+            ),
             "predicted_steps_ms": (
                 sum(float(s["predicted_s"]) for s in steps) * 1e3
                 if steps and all(s["predicted_s"] is not None for s in steps)
@@ -161,7 +166,7 @@ def format_decisions(name: str, policy: str, rows: Sequence[dict[str, Any]]) -> 
         + (f" / {counts['no lookup']} without a lookup" if counts["no lookup"] else "")
         + "; ms, predicted/measured:",
         f"    {'#':>3}{'TTFT':>7}  {'decision':<10}{'kept':>6}{'load p/m':>13}"
-        f"{'recomp. hit p':>15}{'steps p/m':>13}{'probe':>7}{'lookup':>8}{'wait':>7}"
+        f"{'recomp. hit p':>15}{'steps p/m':>13}{'cpu':>6}{'probe':>7}{'lookup':>8}{'wait':>7}"
         f"{'after':>7}{'gc':>5}  tiers (latency ms, MB/s)",
     ]
     for r in rows:
@@ -179,6 +184,7 @@ def format_decisions(name: str, policy: str, rows: Sequence[dict[str, Any]]) -> 
             f"{_f(r['predicted_load_ms']) + '/' + _f(r['measured_load_ms']):>13}"
             f"{_f(r['predicted_recompute_all_ms']):>15}"
             f"{_f(r['predicted_steps_ms']) + '/' + _f(r['measured_steps_ms']):>13}"
+            f"{_f(r['steps_cpu_ms']):>6}"
             f"{_f(r['probe_ms']):>7}{_f(r['lookup_ms']):>8}{_f(r['wait_ms']):>7}"
             f"{_f(r['after_steps_ms']):>7}{_f(r['gc_ms']):>5}  {tiers}"
         )

@@ -427,7 +427,9 @@ def format_report(summary: dict[str, Any]) -> str:
             "Decisions per question (the measured server's decision_log, joined by time): "
             "load p/m = the kept chunks' load, predicted/measured; recomp. hit p = recomputing "
             "the whole hit, predicted; steps p/m = the model steps between the question and its "
-            "first token, predicted by the prefill fit/measured; probe, lookup = the probes' "
+            "first token, predicted by the prefill fit/measured; cpu = the server process's "
+            "CPU time during those steps (far below the steps' time x its threads: it waited "
+            "for the machine); probe, lookup = the probes' "
             "and the lookup's time; wait = from the lookup's answer to vLLM's step; after = "
             "from the last step to the first token at the client; gc = garbage collection in "
             "the server meanwhile.",
