@@ -527,6 +527,7 @@ class LookupIO:
                 part.release_buffers()
 
         tier_timeout = self._config.tier_timeout_s
+        chosen = 0  # the hit chunks the policy chose (past skip_chunks), once it decided
         with trio.move_on_at(deadline) as budget:
             async with trio.open_nursery() as loads:
                 for tier, zero_copy in self._probe_order:
@@ -591,19 +592,20 @@ class LookupIO:
                         cum[-1],
                     )
                     for part in parts:
-                        chosen = max(0, min(part.n_chunks, keep))
-                        if chosen < part.n_chunks and self._needs_measuring(part):
+                        mine = max(0, min(part.n_chunks, keep))
+                        if mine < part.n_chunks and self._needs_measuring(part):
                             # Chunks of a tier not measured (lately) go: measure it with some.
-                            hi = min(part.n_chunks, chosen + CALIBRATION_CHUNKS)
-                            self._calibrate_soon(part.split_off(chosen, hi, kpc))
+                            hi = min(part.n_chunks, mine + CALIBRATION_CHUNKS)
+                            self._calibrate_soon(part.split_off(mine, hi, kpc))
                             if notes is not None:
                                 notes.calibrating.append(part.tier.name)
-                        part.truncate(chosen, kpc)
+                        part.truncate(mine, kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
                             loads.start_soon(self._load_part, part, notes)
                     keep = sum(p.n_chunks for p in parts)
                 self._lookups.note_decision(found, keep)
+                chosen = keep
         # -- 4. keep the contiguous prefix; release everything past the first hole ----------
         total = skip_chunks
         kept: Pairs = []
@@ -624,7 +626,7 @@ class LookupIO:
         if budget.cancelled_caught and (hole or next_chunk < n_chunks):
             # The deadline cut a load, or a probe that might have found more.
             self._lookups.note_deadline_cut()
-        return total, kept, tuple(sources), next_chunk - skip_chunks, keep
+        return total, kept, tuple(sources), next_chunk - skip_chunks, chosen
 
     # -- the policy ---------------------------------------------------------------------
     def _decide(
