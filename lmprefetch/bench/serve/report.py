@@ -13,7 +13,10 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
         "slow_remote_always": {"ttft_p50_ms": …, …, "link": {"kind": "slow", "mechanism":
                                "netem" | "htb+proxy", …}, "load_policy": "always",
                                "redis_sent_bytes": …, "external_hit_bytes": …,
-                               "redis_sent_vs_hit_bytes": …}, … (no "chat")},
+                               "redis_sent_vs_hit_bytes": …, "decisions": [one per question],
+                               "decision_counts": {…}, "decision_summary": {…},
+                               "trace": [the measured server's decision_log records]},
+                               … (no "chat")},
      "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …
                (the link goals add "p50_ms": {scenario: p50, …})],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
@@ -158,6 +161,8 @@ def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict
             "decisions": rows,
             "decision_counts": decision_counts(rows),
             "decision_summary": summarize_decisions(rows),
+            # The measured server's records themselves, for a replay or a closer look.
+            "trace": trace,
         }
     return {
         **decisions,
