@@ -32,31 +32,20 @@ from lmprefetch.policy import (
 )
 
 from .fakes import ThrottledTier
-from .helpers import assert_conserved, engine_with, put_in
+from .helpers import (
+    POLICY_CS,
+    POLICY_PAYLOAD,
+    assert_conserved,
+    engine_with,
+    policy_config,
+    policy_data,
+    policy_prompt,
+    put_in,
+)
 
-CS = 64  # tokens per chunk
-PAYLOAD = 64 * 1024  # bytes per chunk
+CS = POLICY_CS  # tokens per chunk
+PAYLOAD = POLICY_PAYLOAD  # bytes per chunk
 MB = 1_000_000
-
-
-def _config(**changes: object) -> PrefetchConfig:
-    base = PrefetchConfig(
-        chunk_size=CS,
-        chunk_bytes=PAYLOAD,
-        cpu_bytes=PAYLOAD * 64,
-        arena_prefault_bytes=0,
-        lookup_timeout_s=30.0,
-        tier_timeout_s=10.0,
-    )
-    return base.replace(**changes)
-
-
-def _prompt(n_chunks: int, salt: int) -> list[int]:
-    return [salt * 1_000_000 + i for i in range(n_chunks * CS)]
-
-
-def _data(n_chunks: int, salt: int) -> list[bytes]:
-    return [bytes([(salt + i) % 251]) * PAYLOAD for i in range(n_chunks)]
 
 
 def _slow() -> ThrottledTier:
@@ -260,8 +249,8 @@ async def test_a_policy_that_decides_before_probing_loads_while_the_next_tier_is
     subclass of ``always`` too, not only ``always`` itself) the first tier's load starts
     before the second tier's probe ends; under one that decides after probing, not."""
     a, b = TimedTier("a"), TimedTier("b")
-    async with engine_with(_config(load_policy=policy), a, b) as eng:
-        prompt, data = _prompt(4, 11), _data(4, 11)
+    async with engine_with(policy_config(load_policy=policy), a, b) as eng:
+        prompt, data = policy_prompt(4, 11), policy_data(4, 11)
         keys = eng.keys.keys(eng.hasher.hash(prompt))
         for key, payload in zip(keys[:2], data[:2]):
             a.data[key] = payload
@@ -280,8 +269,10 @@ async def test_a_policy_deciding_before_probing_is_asked_first_and_bounds_the_pr
 ) -> None:
     slow = _slow()
     FirstTwoOnly.asked.clear()
-    async with engine_with(_config(load_policy="tests.test_policy:FirstTwoOnly"), slow) as eng:
-        hashes = await put_in(slow, eng, _prompt(6, 1), _data(6, 1))
+    async with engine_with(
+        policy_config(load_policy="tests.test_policy:FirstTwoOnly"), slow
+    ) as eng:
+        hashes = await put_in(slow, eng, policy_prompt(6, 1), policy_data(6, 1))
         assert await eng.lookup_and_prefetch("f", hashes, [CS] * 6, skip_chunks=1) == 3 * CS
         (request,) = FirstTwoOnly.asked
         assert request.parts == ()
@@ -297,7 +288,7 @@ async def test_a_policy_deciding_before_probing_is_asked_first_and_bounds_the_pr
 
 async def test_an_engine_with_a_bad_custom_policy_does_not_open() -> None:
     with pytest.raises(ValueError, match="^load_policy: "):
-        async with open_engine(_config(load_policy="tests.test_policy:Missing")):
+        async with open_engine(policy_config(load_policy="tests.test_policy:Missing")):
             pass  # pragma: no cover
 
 
@@ -310,9 +301,11 @@ async def test_a_tier_is_measured_before_it_is_trusted_then_skipped_unprobed(
     first hit was loaded whatever it cost).  Measured too slow, it is then not even probed:
     the lookup answers without waiting for its round trip."""
     slow = _slow()
-    async with engine_with(_config(load_policy="cost", prefill_tokens_per_s=10_000), slow) as eng:
-        first = await put_in(slow, eng, _prompt(8, 1), _data(8, 1))
-        second = await put_in(slow, eng, _prompt(8, 2), _data(8, 2))
+    async with engine_with(
+        policy_config(load_policy="cost", prefill_tokens_per_s=10_000), slow
+    ) as eng:
+        first = await put_in(slow, eng, policy_prompt(8, 1), policy_data(8, 1))
+        second = await put_in(slow, eng, policy_prompt(8, 2), policy_data(8, 2))
         t0 = trio.current_time()
         assert await eng.lookup_and_prefetch("a", first, [CS] * 8) == 0
         assert trio.current_time() - t0 == pytest.approx(0.020)  # the probe alone
@@ -344,9 +337,11 @@ async def test_a_tier_measured_long_ago_is_probed_and_measured_again(
     and, its chunks dropped, measured again in the background; a link that became fast is
     then loaded from."""
     slow = _slow()
-    config = _config(load_policy="cost", prefill_tokens_per_s=10_000, tier_cost_max_age_s=30.0)
+    config = policy_config(
+        load_policy="cost", prefill_tokens_per_s=10_000, tier_cost_max_age_s=30.0
+    )
     async with engine_with(config, slow) as eng:
-        hashes = [await put_in(slow, eng, _prompt(8, i), _data(8, i)) for i in range(4)]
+        hashes = [await put_in(slow, eng, policy_prompt(8, i), policy_data(8, i)) for i in range(4)]
         assert await eng.lookup_and_prefetch("a", hashes[0], [CS] * 8) == 0
         await eng.wait_quiet()
         assert await eng.lookup_and_prefetch("b", hashes[1], [CS] * 8) == 0
@@ -368,8 +363,10 @@ async def test_closing_the_engine_during_a_measurement_releases_it(
 ) -> None:
     slow = _slow()
     slow.load_hang = True
-    async with engine_with(_config(load_policy="cost", prefill_tokens_per_s=10_000), slow) as eng:
-        hashes = await put_in(slow, eng, _prompt(8, 1), _data(8, 1))
+    async with engine_with(
+        policy_config(load_policy="cost", prefill_tokens_per_s=10_000), slow
+    ) as eng:
+        hashes = await put_in(slow, eng, policy_prompt(8, 1), policy_data(8, 1))
         assert await eng.lookup_and_prefetch("a", hashes, [CS] * 8) == 0
         await trio.sleep(1.0)  # (Trio's mock clock) past the load's round trip
         assert slow.loads_started == 1  # the measurement hangs in its load
@@ -392,19 +389,21 @@ async def test_a_cpu_hit_is_loaded_and_a_slow_tail_truncated(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     slow = _slow()
-    config = _config(load_policy="tests.test_policy:CostProbingAll", prefill_tokens_per_s=10_000)
+    config = policy_config(
+        load_policy="tests.test_policy:CostProbingAll", prefill_tokens_per_s=10_000
+    )
     async with engine_with(config, slow) as eng:
-        warm = await put_in(slow, eng, _prompt(4, 9), _data(4, 9))
+        warm = await put_in(slow, eng, policy_prompt(4, 9), policy_data(4, 9))
         assert await eng.lookup_and_prefetch("warm", warm, [CS] * 4) == 0  # measures it
         await eng.wait_quiet()
-        prompt, data = _prompt(8, 3), _data(8, 3)
+        prompt, data = policy_prompt(8, 3), policy_data(8, 3)
         hashes = eng.hasher.hash(prompt)
         assert await eng.store(prompt[: 4 * CS], data[:4]) == 4  # the CPU tier: chunks 0-3
         for key, payload in zip(eng.keys.keys(hashes)[4:], data[4:]):
             slow.data[key] = payload  # the slow tier: chunks 4-7
         # The whole prompt on the CPU tier: a full hit, answered from memory.
-        assert await eng.store(_prompt(4, 5), _data(4, 5)) == 4
-        full = eng.hasher.hash(_prompt(4, 5))
+        assert await eng.store(policy_prompt(4, 5), policy_data(4, 5)) == 4
+        full = eng.hasher.hash(policy_prompt(4, 5))
         assert await eng.lookup_and_prefetch("cpu", full, [CS] * 4) == 4 * CS
         assert eng.lookup_tier_tokens("cpu") == (("cpu", 4 * CS),)
         eng.cancel("cpu")
@@ -427,9 +426,9 @@ async def test_never_answers_the_skipped_prefix_without_probing(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     slow = _slow()
-    async with engine_with(_config(load_policy="never"), slow) as eng:
-        hashes = await put_in(slow, eng, _prompt(4, 1), _data(4, 1))
-        assert await eng.store(_prompt(4, 1), _data(4, 1)) == 4
+    async with engine_with(policy_config(load_policy="never"), slow) as eng:
+        hashes = await put_in(slow, eng, policy_prompt(4, 1), policy_data(4, 1))
+        assert await eng.store(policy_prompt(4, 1), policy_data(4, 1)) == 4
         assert await eng.lookup_and_prefetch("n", hashes, [CS] * 4) == 0
         assert await eng.lookup_and_prefetch("m", hashes, [CS] * 4, skip_chunks=1) == CS
         assert slow.keys_probed == 0
@@ -440,8 +439,8 @@ async def test_never_answers_the_skipped_prefix_without_probing(
 
 async def test_a_custom_policy_decides(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()
-    async with engine_with(_config(load_policy="tests.test_policy:HalfPolicy"), slow) as eng:
-        hashes = await put_in(slow, eng, _prompt(6, 1), _data(6, 1))
+    async with engine_with(policy_config(load_policy="tests.test_policy:HalfPolicy"), slow) as eng:
+        hashes = await put_in(slow, eng, policy_prompt(6, 1), policy_data(6, 1))
         assert await eng.lookup_and_prefetch("h", hashes, [CS] * 6) == 3 * CS
         assert eng.lookup_tier_tokens("h") == (("slow", 3 * CS),)
         with eng.claim("h") as got:
@@ -460,9 +459,9 @@ class Broken:
 
 async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()
-    async with engine_with(_config(load_policy="tests.test_policy:Broken"), slow) as eng:
+    async with engine_with(policy_config(load_policy="tests.test_policy:Broken"), slow) as eng:
         assert isinstance(eng.policy, Broken)
-        hashes = await put_in(slow, eng, _prompt(3, 1), _data(3, 1))
+        hashes = await put_in(slow, eng, policy_prompt(3, 1), policy_data(3, 1))
         assert await eng.lookup_and_prefetch("b", hashes, [CS] * 3) == 3 * CS
         eng.cancel("b")
         await eng.wait_quiet()
@@ -473,8 +472,8 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     slow = _slow()
-    async with engine_with(_config(load_deadline_s=0.050), slow) as eng:
-        prompt, data = _prompt(8, 6), _data(8, 6)
+    async with engine_with(policy_config(load_deadline_s=0.050), slow) as eng:
+        prompt, data = policy_prompt(8, 6), policy_data(8, 6)
         hashes = eng.hasher.hash(prompt)
         assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
         for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
@@ -492,10 +491,10 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         await eng.wait_quiet()
         assert_conserved(eng)
         # Without a deadline the same lookup loads it all.
-    async with engine_with(_config(), _slow()) as eng:
+    async with engine_with(policy_config(), _slow()) as eng:
         slow2 = eng.tiers[-1]
         assert isinstance(slow2, ThrottledTier)
-        hashes = await put_in(slow2, eng, _prompt(8, 6), _data(8, 6))
+        hashes = await put_in(slow2, eng, policy_prompt(8, 6), policy_data(8, 6))
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 8 * CS
         assert eng.statistics().lookups.deadline_cut == 0
         eng.cancel("d")
@@ -508,10 +507,10 @@ async def test_the_load_deadline_keeps_the_part_of_one_tier_that_arrived(
     about 125 ms in one call).  A 100 ms deadline cuts its load: the chunks already in memory
     are the answer (the tier's part is loaded in batches, in order), not nothing, and the rest
     is released.  The link's rate is measured over what arrived."""
-    async with engine_with(_config(load_deadline_s=0.100), _slow()) as eng:
+    async with engine_with(policy_config(load_deadline_s=0.100), _slow()) as eng:
         slow = eng.tiers[-1]
         assert isinstance(slow, ThrottledTier)
-        prompt, data = _prompt(8, 9), _data(8, 9)
+        prompt, data = policy_prompt(8, 9), policy_data(8, 9)
         hashes = await put_in(slow, eng, prompt, data)
         hit = await eng.lookup_and_prefetch("p", hashes, [CS] * 8)
         assert CS <= hit < 8 * CS and hit % CS == 0
@@ -539,8 +538,8 @@ async def test_a_cut_keeps_no_batch_after_one_that_had_not_arrived(
             return await super().load(keys, buffers)
 
     stalls = FirstBatchStalls("slow", bytes_per_s=100 * MB, rtt_s=0.001)
-    async with engine_with(_config(load_deadline_s=0.100), stalls) as eng:
-        prompt, data = _prompt(8, 10), _data(8, 10)
+    async with engine_with(policy_config(load_deadline_s=0.100), stalls) as eng:
+        prompt, data = policy_prompt(8, 10), policy_data(8, 10)
         hashes = await put_in(stalls, eng, prompt, data)
         stalls.first = eng.keys.keys(hashes)[0]
         assert await eng.lookup_and_prefetch("s", hashes, [CS] * 8) == 0
@@ -618,8 +617,8 @@ def test_the_policy_fields_load_from_toml_and_the_environment(tmp_path: Path) ->
 
 async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()  # a probe takes 20 ms
-    async with engine_with(_config(load_deadline_s=0.010), slow) as eng:
-        prompt, data = _prompt(4, 7), _data(4, 7)
+    async with engine_with(policy_config(load_deadline_s=0.010), slow) as eng:
+        prompt, data = policy_prompt(4, 7), policy_data(4, 7)
         hashes = eng.hasher.hash(prompt)
         assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
         for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
@@ -634,8 +633,8 @@ async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc
 
 async def test_a_hit_over_two_tiers_says_which_served_what(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()
-    async with engine_with(_config(), slow) as eng:
-        prompt, data = _prompt(5, 8), _data(5, 8)
+    async with engine_with(policy_config(), slow) as eng:
+        prompt, data = policy_prompt(5, 8), policy_data(5, 8)
         hashes = eng.hasher.hash(prompt)
         assert await eng.store(prompt[: 2 * CS], data[:2]) == 2
         for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from lmprefetch import PrefetchConfig, open_engine
+from lmprefetch import open_engine
 from lmprefetch.trace import (
     CalibrationTrace,
     DecisionTrace,
@@ -24,31 +24,20 @@ from lmprefetch.trace import (
 )
 
 from .fakes import ThrottledTier
-from .helpers import assert_conserved, engine_with, put_in
+from .helpers import (
+    POLICY_CS,
+    POLICY_PAYLOAD,
+    assert_conserved,
+    engine_with,
+    policy_config,
+    policy_data,
+    policy_prompt,
+    put_in,
+)
 
-CS = 64
-PAYLOAD = 64 * 1024
+CS = POLICY_CS
+PAYLOAD = POLICY_PAYLOAD
 MB = 1_000_000
-
-
-def _config(**changes: object) -> PrefetchConfig:
-    base = PrefetchConfig(
-        chunk_size=CS,
-        chunk_bytes=PAYLOAD,
-        cpu_bytes=PAYLOAD * 64,
-        arena_prefault_bytes=0,
-        lookup_timeout_s=30.0,
-        tier_timeout_s=10.0,
-    )
-    return base.replace(**changes)
-
-
-def _prompt(n_chunks: int, salt: int) -> list[int]:
-    return [salt * 1_000_000 + i for i in range(n_chunks * CS)]
-
-
-def _data(n_chunks: int, salt: int) -> list[bytes]:
-    return [bytes([(salt + i) % 251]) * PAYLOAD for i in range(n_chunks)]
 
 
 def _lookups(records: list[TraceRecord]) -> list[LookupTrace]:
@@ -59,12 +48,12 @@ async def test_each_lookup_is_recorded_with_its_inputs_and_outcome(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     slow = ThrottledTier("slow", bytes_per_s=5 * MB, rtt_s=0.020)
-    config = _config(load_policy="cost", prefill_tokens_per_s=1_000)
+    config = policy_config(load_policy="cost", prefill_tokens_per_s=1_000)
     async with engine_with(config, slow) as eng:
         records: list[TraceRecord] = []
         eng.trace.subscribe(records.append)
-        first = await put_in(slow, eng, _prompt(8, 1), _data(8, 1))
-        second = await put_in(slow, eng, _prompt(8, 2), _data(8, 2))
+        first = await put_in(slow, eng, policy_prompt(8, 1), policy_data(8, 1))
+        second = await put_in(slow, eng, policy_prompt(8, 2), policy_data(8, 2))
         # Not measured: skipped, and measured in the background.
         assert await eng.lookup_and_prefetch("a", first, [CS] * 8, skip_chunks=1) == CS
         await eng.wait_quiet()
@@ -116,15 +105,15 @@ async def test_a_tier_ruled_out_and_a_cpu_hit_are_recorded_too(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     slow = ThrottledTier("slow", bytes_per_s=5 * MB, rtt_s=0.020)
-    config = _config(load_policy="cost", prefill_tokens_per_s=10_000)
+    config = policy_config(load_policy="cost", prefill_tokens_per_s=10_000)
     async with engine_with(config, slow) as eng:
         records: list[TraceRecord] = []
         unsubscribe = eng.trace.subscribe(records.append)
-        warm = await put_in(slow, eng, _prompt(4, 9), _data(4, 9))
+        warm = await put_in(slow, eng, policy_prompt(4, 9), policy_data(4, 9))
         assert await eng.lookup_and_prefetch("warm", warm, [CS] * 4) == 0
         await eng.wait_quiet()
-        prompt = _prompt(6, 3)
-        assert await eng.store(prompt[: 2 * CS], _data(2, 3)) == 2
+        prompt = policy_prompt(6, 3)
+        assert await eng.store(prompt[: 2 * CS], policy_data(2, 3)) == 2
         hashes = eng.hasher.hash(prompt)
         # The CPU tier holds 2 chunks; the slow tier is ruled out: answered from memory.
         assert await eng.lookup_and_prefetch("m", hashes, [CS] * 6) == 2 * CS
@@ -147,12 +136,12 @@ async def test_a_tier_ruled_out_and_a_cpu_hit_are_recorded_too(
 
 async def test_the_decision_log_is_a_json_lines_file(tmp_path: Path) -> None:
     path = tmp_path / "decisions-{rank}.jsonl"
-    config = _config(decision_log=str(path))
+    config = policy_config(decision_log=str(path))
     with trio.fail_after(30):
         async with open_engine(config) as eng:
             assert eng.trace.enabled
-            prompt = _prompt(3, 1)
-            assert await eng.store(prompt, _data(3, 1)) == 3
+            prompt = policy_prompt(3, 1)
+            assert await eng.store(prompt, policy_data(3, 1)) == 3
             assert await eng.lookup_and_prefetch("x", eng.hasher.hash(prompt), [CS] * 3) == 3 * CS
             eng.cancel("x")
             # A step, as the vLLM worker records one (from its own thread).
@@ -168,7 +157,7 @@ async def test_the_decision_log_is_a_json_lines_file(tmp_path: Path) -> None:
 
 
 async def test_a_decision_log_that_cannot_be_written_is_a_config_error(tmp_path: Path) -> None:
-    config = _config(decision_log=str(tmp_path / "no-such-dir" / "d.jsonl"))
+    config = policy_config(decision_log=str(tmp_path / "no-such-dir" / "d.jsonl"))
     with pytest.raises(ValueError, match="^decision_log: cannot append to "):
         async with open_engine(config):
             pass  # pragma: no cover
