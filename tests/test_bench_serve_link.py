@@ -470,6 +470,7 @@ def test_each_question_is_joined_with_its_decision_and_what_it_cost() -> None:
         _step(30.002, 2080, 0.49, 0.48),
         {"kind": "gc", "rank": 0, "wall": 30.3, "generation": 2, "seconds": 0.02},
         _step(40.003, 2080, 0.5, 0.48),
+        _step(40.51, 1, 0.02, 0.01),  # a decode step that ended after the first token
     ]
     sent = [10.0, 20.0, 30.0, 40.0]
     ttft = [1.1, 0.6, 0.55, 0.52]
@@ -489,6 +490,7 @@ def test_each_question_is_joined_with_its_decision_and_what_it_cost() -> None:
     assert math.isnan(skipped["measured_load_ms"])
     assert unprobed["decision"] == "not probed" and unprobed["gc_ms"] == pytest.approx(20)
     assert none["decision"] == "no lookup" and none["wait_ms"] == pytest.approx(3, abs=0.01)
+    assert none["steps"] == 1 and none["after_steps_ms"] == pytest.approx(17, abs=0.01)
     counts = decision_counts(rows)
     assert [counts[k] for k in ("loaded", "truncated", "skipped", "not probed", "no lookup")] == [
         1, 0, 1, 1, 1,

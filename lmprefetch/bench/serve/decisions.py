@@ -40,7 +40,14 @@ def decision_rows(
         end = sent + ttft
         window = [r for r in trace if sent <= float(r["wall"]) <= end]
         lookups = [r for r in window if r["kind"] == "lookup"]
-        steps = [r for r in window if r["kind"] == "step"]
+        # The steps that ended before the first token (a decode step may start before the
+        # client sees the first token, and end after it).
+        steps = [
+            r
+            for r in window
+            if r["kind"] == "step"
+            and float(r["wall"]) + float(r["load_s"]) + float(r["seconds"]) <= end
+        ]
         gcs = [r for r in window if r["kind"] == "gc"]
         lookup = lookups[-1] if lookups else None
         decision = "no lookup"
