@@ -7,7 +7,8 @@ tier with each tier's cost as the policy saw it, the prefill model's coefficient
 load and recompute times, what was kept, and the measured probe and load times), one per model
 step the vLLM worker timed (:class:`StepTrace`: its tokens, its measured time and the time the
 prefill model predicted for it), one per slow garbage collection of the process
-(:class:`GcTrace`), and one per background measurement of a tier (:class:`CalibrationTrace`).
+(:class:`GcTrace`, in the ``decision_log`` file only), and one per background measurement of a
+tier (:class:`CalibrationTrace`).
 
 Records go to every subscriber of the engine's :class:`DecisionTrace` (``engine.trace``); with
 none, the engine builds no record (a lookup pays one attribute test).  ``decision_log`` (a
@@ -232,6 +233,9 @@ class JsonLinesWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._pending: deque[TraceRecord] = deque()
+        #: Records queued without the lock or a wake-up (garbage collections: a collection may
+        #: run inside :meth:`__call__`, holding the lock); written with the next batch.
+        self.unlocked: deque[TraceRecord] = deque(maxlen=MAX_PENDING_RECORDS)
         self._lock = threading.Lock()
         self._token = trio.lowlevel.current_trio_token()
         self._wakeup = trio.Event()
@@ -261,6 +265,8 @@ class JsonLinesWriter:
             batch = list(self._pending)
             self._pending.clear()
             self._poked = False
+        while self.unlocked:
+            batch.append(self.unlocked.popleft())
         return batch
 
     def _write(self, batch: list[TraceRecord]) -> None:
@@ -290,10 +296,12 @@ class JsonLinesWriter:
 
 class _GcTimer:
     """Records garbage collections (``gc.callbacks``) longer than :data:`GC_RECORD_S`, or of
-    generation 2, while installed."""
+    generation 2, while installed, into ``sink`` (a deque: appending takes no lock, so a
+    collection that runs while a thread holds the writer's lock cannot deadlock on it)."""
 
-    def __init__(self, trace: DecisionTrace) -> None:
-        self._trace = trace
+    def __init__(self, rank: int, sink: deque[TraceRecord]) -> None:
+        self._rank = rank
+        self._sink = sink
         self._started: dict[int, float] = {}
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -307,7 +315,7 @@ class _GcTimer:
         seconds = time.perf_counter() - t0
         generation = int(info.get("generation", 0))
         if seconds >= GC_RECORD_S or generation >= 2:
-            self._trace.emit(GcTrace(self._trace.rank, time.time() - seconds, generation, seconds))
+            self._sink.append(GcTrace(self._rank, time.time() - seconds, generation, seconds))
 
 
 async def decision_log_path(path_template: str, rank: int) -> Path:
@@ -334,7 +342,7 @@ async def open_decision_log(
     and record the process's slow garbage collections meanwhile."""
     writer = JsonLinesWriter(path)
     stop = trace.subscribe(writer)
-    gc_timer = _GcTimer(trace)
+    gc_timer = _GcTimer(trace.rank, writer.unlocked)
     gc.callbacks.append(gc_timer)
     scope = trio.CancelScope()
 
