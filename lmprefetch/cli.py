@@ -255,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run a worker process serving lookups for one rank")
     w.add_argument("--rank", type=int, default=0, help="this worker's rank (default: 0)")
-    w.add_argument("--world-size", type=int, default=1, help="number of worker ranks (default: 1)")
+    w.add_argument(
+        "--world-size", type=int, default=1, help="number of worker ranks (default: 1)"
+    )
     w.add_argument("--request-endpoint", required=True, help="bound here, e.g. ipc://@w0")
     w.add_argument("--response-endpoint", required=True, help="the scheduler's answer endpoint")
     w.add_argument(

@@ -55,8 +55,6 @@ def _libc_madvise() -> Any:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
-
-
 # pragma: no mutate end
 
 
@@ -217,8 +215,12 @@ class Arena:
         # Pop from the end: the lowest slots are handed out first.
         self._free: list[Buffer] = list(reversed(self._all))
 
+
     def __repr__(self) -> str:
-        return f"<Arena {self.num_slots} slots x {self.slot_bytes} bytes, {self.used_slots} used>"
+        return (
+            f"<Arena {self.num_slots} slots x {self.slot_bytes} bytes, "
+            f"{self.used_slots} used>"
+        )
 
     def allocate(self) -> Buffer | None:
         """A buffer with one owner, or ``None`` if every slot is in use (never waits)."""
@@ -272,7 +274,9 @@ class Arena:
                 if buf._arena is not self:
                     raise ValueError(f"buffer {buf.index} belongs to another arena")
                 if buf._owners <= 0:
-                    raise DoubleReleaseError(f"buffer {buf.index} released more times than owned")
+                    raise DoubleReleaseError(
+                        f"buffer {buf.index} released more times than owned"
+                    )
                 buf._owners -= 1
                 if buf._owners == 0:
                     buf.length = 0

@@ -333,7 +333,9 @@ def _worker_main(
         "claim": claim,
         "store": lambda arg: store(arg[0], arg[1]),
         "store_with_held_write": store_with_held_write,
-        "files": lambda tokens: [disk._file_path(k) for k in engine.keys.keys(hasher.hash(tokens))],
+        "files": lambda tokens: [
+            disk._file_path(k) for k in engine.keys.keys(hasher.hash(tokens))
+        ],
         "hold_reads": lambda paths: runtime.call(hold_reads, paths),
         "wait_read_held": lambda t: gate["reached"].wait(float(t)),
         "release_reads": lambda _: runtime.call(release_reads),
@@ -345,16 +347,14 @@ def _worker_main(
         "held": lambda _: runtime.call(held_now),
     }
     store(preload, False)
-    conn.send(
-        (
-            "ok",
-            {
-                "pid": os.getpid(),
-                "disk_chunks": runtime.call(len, disk),
-                "stale_temp_files_removed": disk.stale_temp_files_removed,
-            },
-        )
-    )
+    conn.send((
+        "ok",
+        {
+            "pid": os.getpid(),
+            "disk_chunks": runtime.call(len, disk),
+            "stale_temp_files_removed": disk.stale_temp_files_removed,
+        },
+    ))
     while True:
         try:
             cmd, arg = conn.recv()
@@ -405,16 +405,8 @@ class Worker:
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=_worker_main,
-            args=(
-                child,
-                self.h.config.to_dict(),
-                self.rank,
-                self.h.s.ranks,
-                self.endpoint,
-                self.h.response_endpoint,
-                preload,
-                self.h.s.hang_s,
-            ),
+            args=(child, self.h.config.to_dict(), self.rank, self.h.s.ranks, self.endpoint,
+                  self.h.response_endpoint, preload, self.h.s.hang_s),
             daemon=True,
             name=f"chaos-rank{self.rank}",
         )
@@ -565,17 +557,8 @@ class Settings:
 
     @classmethod
     def smoke_run(cls, seed: int) -> Settings:
-        return cls(
-            seconds=0,
-            seed=seed,
-            smoke=True,
-            corpus_prompts=40,
-            pool_prompts=4,
-            prompt_chunks=6,
-            hang_s=60.0,
-            disk_bytes=4 * MiB,
-            mooncake_prompts=6,
-        )
+        return cls(seconds=0, seed=seed, smoke=True, corpus_prompts=40, pool_prompts=4,
+                   prompt_chunks=6, hang_s=60.0, disk_bytes=4 * MiB, mooncake_prompts=6)
 
 
 @dataclass
@@ -641,7 +624,9 @@ class Harness:
                 mooncake_timeout_s=s.lookup_timeout_s,
             )
         self.hasher = ChunkHasher(CHUNK, self.config.hash_algorithm)
-        self.workers = [Worker(self, r, f"ipc://@lmp-chaos-{tag}-w{r}") for r in range(s.ranks)]
+        self.workers = [
+            Worker(self, r, f"ipc://@lmp-chaos-{tag}-w{r}") for r in range(s.ranks)
+        ]
         self.client: LookupClient | None = None
         self.rng = random.Random(s.seed)
         self._lock = threading.Lock()
@@ -728,12 +713,7 @@ class Harness:
 
     # -- lookups and claims -------------------------------------------------------------
     def verify_claim(
-        self,
-        tally: Tally,
-        rank: int,
-        hashes: list[int],
-        items: list[Any],
-        min_chunks: int,
+        self, tally: Tally, rank: int, hashes: list[int], items: list[Any], min_chunks: int,
         what: str,
     ) -> None:
         if len(items) > len(hashes):
@@ -758,14 +738,8 @@ class Harness:
             )
 
     def claim_everywhere(
-        self,
-        tally: Tally,
-        lookup_id: str,
-        hashes: list[int],
-        result: int,
-        generations: list[int],
-        what: str,
-        exact: dict[int, int] | None = None,
+        self, tally: Tally, lookup_id: str, hashes: list[int], result: int,
+        generations: list[int], what: str, exact: dict[int, int] | None = None,
     ) -> None:
         """Claim a lookup answered ``result`` tokens on every rank and check every chunk."""
         tally.claims += 1
@@ -824,10 +798,8 @@ class Harness:
         result = client.wait(lookup_id, self.s.lookup_timeout_s + self.s.hang_s)
         if result != 0:
             entry = getattr(client, "_entries", {}).get(lookup_id)
-            self.violation(
-                f"{what}: a lookup a stopped rank could not answer gave {result!r} "
-                f"(answers by rank: {getattr(entry, 'answers', '?')})"
-            )
+            self.violation(f"{what}: a lookup a stopped rank could not answer gave {result!r} "
+                           f"(answers by rank: {getattr(entry, 'answers', '?')})")
         client.cancel(lookup_id)
         self.count("doomed_lookups_zero")
 
@@ -1061,9 +1033,8 @@ class Harness:
         lookup_id, result, gens = self.answered_lookup(tokens, "after-restart")
         if result != len(tokens):
             self.violation(f"kill: after the restart the prompt gave {result}, not {len(tokens)}")
-        self.claim_everywhere(
-            self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result, gens, "after-restart"
-        )
+        self.claim_everywhere(self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result,
+                              gens, "after-restart")
         self.client.forget(lookup_id)
 
     def kill_mid_write(self, w: Worker) -> None:
@@ -1089,9 +1060,8 @@ class Harness:
         lookup_id, result, gens = self.answered_lookup(tokens, "after-pause")
         if result != len(tokens):
             self.violation(f"pause: after SIGCONT the prompt gave {result}, not {len(tokens)}")
-        self.claim_everywhere(
-            self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result, gens, "after-pause"
-        )
+        self.claim_everywhere(self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result,
+                              gens, "after-pause")
         assert self.client is not None
         self.client.forget(lookup_id)
 
@@ -1104,11 +1074,7 @@ class Harness:
             w.resume()
 
     def damage(
-        self,
-        kind: str,
-        path: str,
-        rng: random.Random,
-        others: list[str],
+        self, kind: str, path: str, rng: random.Random, others: list[str],
         variant: str | None = None,
     ) -> str:
         """Damage one chunk file in place; the variant applied."""
@@ -1129,11 +1095,8 @@ class Harness:
             return variant
         key_len = len(os.path.basename(path)) - len(FILE_SUFFIX)
         # A header byte the reader checks (magic … key string), or a payload byte.
-        offset = (
-            rng.randrange(HEADER.size + key_len)
-            if variant == "header"
-            else rng.randrange(HEADER_BYTES, size)
-        )
+        offset = (rng.randrange(HEADER.size + key_len) if variant == "header"
+                  else rng.randrange(HEADER_BYTES, size))
         with open(path, "r+b") as f:
             f.seek(offset)
             old = f.read(1)[0]
@@ -1173,20 +1136,12 @@ class Harness:
             self.client.cancel(lookup_id)
             lookup_id, result, generations = self.answered_lookup(tokens, f"{kind}-again")
         if result != k * CHUNK:
-            self.violation(
-                f"{kind} ({variant}) of chunk {k}: the answer was {result}, not {k * CHUNK}"
-            )
+            self.violation(f"{kind} ({variant}) of chunk {k}: the answer was {result}, "
+                           f"not {k * CHUNK}")
         if result:
             hashes = self.hasher.hash(tokens)
-            self.claim_everywhere(
-                self.tally_scenarios,
-                lookup_id,
-                hashes,
-                result,
-                generations,
-                f"{kind}-claim",
-                exact={w.rank: k},
-            )
+            self.claim_everywhere(self.tally_scenarios, lookup_id, hashes, result, generations,
+                                  f"{kind}-claim", exact={w.rank: k})
             self.client.forget(lookup_id)
         else:
             self.client.cancel(lookup_id)
@@ -1245,11 +1200,9 @@ class Harness:
                         ok = dropped + stored == n and stored <= evicted
                         self.count("full_disk_rank_at_capacity")
                     if not ok:
-                        self.violation(
-                            f"full disk: rank {x.rank}, {n} writes, {room} B below "
-                            f"capacity: dropped {dropped}, stored {stored}, "
-                            f"evicted {evicted}"
-                        )
+                        self.violation(f"full disk: rank {x.rank}, {n} writes, {room} B below "
+                                       f"capacity: dropped {dropped}, stored {stored}, "
+                                       f"evicted {evicted}")
                     self.count("writes_refused_by_full_disk", dropped)
                     self.count("writes_on_full_disk_after_eviction", stored)
                     if self.own_files(x.rank)[1]:
@@ -1257,14 +1210,8 @@ class Harness:
                 lookup_id, result, gens = self.answered_lookup(tokens, "full-disk")
                 if result != len(tokens):
                     self.violation(f"full disk: the prompt in memory gave {result}")
-                self.claim_everywhere(
-                    self.tally_scenarios,
-                    lookup_id,
-                    self.hasher.hash(tokens),
-                    result,
-                    gens,
-                    "full-disk",
-                )
+                self.claim_everywhere(self.tally_scenarios, lookup_id, self.hasher.hash(tokens),
+                                      result, gens, "full-disk")
                 self.client.forget(lookup_id)
                 w.kill_and_restart()  # a supervisor restarts a worker on the full disk
                 self.count("restarts_on_full_disk")
@@ -1280,14 +1227,8 @@ class Harness:
             lookup_id, result, gens = self.answered_lookup(tokens, "disk-freed")
             if result != len(tokens):
                 self.violation(f"full disk freed: the prompt gave {result}")
-            self.claim_everywhere(
-                self.tally_scenarios,
-                lookup_id,
-                self.hasher.hash(tokens),
-                result,
-                gens,
-                "disk-freed",
-            )
+            self.claim_everywhere(self.tally_scenarios, lookup_id, self.hasher.hash(tokens),
+                                  result, gens, "disk-freed")
             self.client.forget(lookup_id)
 
     # -- Mooncake ----------------------------------------------------------------------------
@@ -1322,18 +1263,17 @@ class Harness:
             w.ask("release_gets")
         result = self.client.wait(lookup_id, self.s.lookup_timeout_s + self.s.hang_s)
         if result != 0:
-            self.violation(
-                f"master: the lookup whose Mooncake load lost its master gave {result!r}, not 0"
-            )
+            self.violation(f"master: the lookup whose Mooncake load lost its master gave "
+                           f"{result!r}, not 0")
         self.client.cancel(lookup_id)
         self.restart_master()
         self.settle_mooncake([tokens])
         lookup_id, result, gens = self.answered_lookup(tokens, "after-master")
         if result != len(tokens):
-            self.violation(f"master: after the restart the prompt gave {result}, not {len(tokens)}")
-        self.claim_everywhere(
-            self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result, gens, "after-master"
-        )
+            self.violation(f"master: after the restart the prompt gave {result}, "
+                           f"not {len(tokens)}")
+        self.claim_everywhere(self.tally_scenarios, lookup_id, self.hasher.hash(tokens), result,
+                              gens, "after-master")
         self.client.forget(lookup_id)
 
     def kill_master_blind(self) -> None:
@@ -1391,13 +1331,10 @@ class Harness:
             self.settle_mooncake(self.mooncake_corpus)
         startup_s = time.monotonic() - t_start
         zmq_threads_before = _native_threads()
-        self.client = LookupClient(
-            self.config, [w.endpoint for w in self.workers], self.response_endpoint
-        )
-        threads = [
-            threading.Thread(target=self.traffic, args=(i,), name=f"traffic-{i}")
-            for i in range(self.s.threads)
-        ]
+        self.client = LookupClient(self.config, [w.endpoint for w in self.workers],
+                                   self.response_endpoint)
+        threads = [threading.Thread(target=self.traffic, args=(i,), name=f"traffic-{i}")
+                   for i in range(self.s.threads)]
         monitor = threading.Thread(target=self.monitor, name="monitor")
         t0 = time.monotonic()
         for t in threads:
@@ -1426,11 +1363,8 @@ class Harness:
             self.finish()
         self.client_stats = self.client.stats()
         self.client.close()
-        client_zmq = {
-            t: n
-            for t, n in _native_threads().items()
-            if t not in zmq_threads_before and n.startswith("ZMQ")
-        }
+        client_zmq = {t: n for t, n in _native_threads().items()
+                      if t not in zmq_threads_before and n.startswith("ZMQ")}
         bridge_alive = self.client._bridge.thread.is_alive()
         used = {w.rank: w.close() for w in self.workers}
         for rank, slots in used.items():
@@ -1442,13 +1376,10 @@ class Harness:
         # With the client and every worker process closed, nothing made since the start may
         # be left: the client's sockets, eventfd, context and threads included.
         left_threads = sorted(t.name for t in set(threading.enumerate()) - threads_at_start)
-        left_fds = {fd: what for fd, what in _open_fds().items() if fds_at_start.get(fd) != what}
-        self.leaks = {
-            "fds": left_fds,
-            "threads": left_threads,
-            "zmq_threads": client_zmq,
-            "bridge_thread_alive": bridge_alive,
-        }
+        left_fds = {fd: what for fd, what in _open_fds().items()
+                    if fds_at_start.get(fd) != what}
+        self.leaks = {"fds": left_fds, "threads": left_threads, "zmq_threads": client_zmq,
+                      "bridge_thread_alive": bridge_alive}
         if left_fds or left_threads or client_zmq or bridge_alive:
             self.violation(f"left after closing the client and the workers: {self.leaks}")
         return self.figures(startup_s, fault_s, rss_end, driver_rss_end)
@@ -1488,14 +1419,11 @@ class Harness:
         submitted = t.lookups + self.counters["scenario_lookups"]
         ended = c["answered"] + c["timeouts"]
         if c["submitted"] != submitted:
-            self.violation(
-                f"client: {c['submitted']} lookups submitted, the driver made {submitted}"
-            )
+            self.violation(f"client: {c['submitted']} lookups submitted, the driver made "
+                           f"{submitted}")
         if not submitted - t.cancelled_pending <= ended <= submitted:
-            self.violation(
-                f"client: {ended} lookups answered or timed out of {submitted} "
-                f"({t.cancelled_pending} cancelled while pending)"
-            )
+            self.violation(f"client: {ended} lookups answered or timed out of {submitted} "
+                           f"({t.cancelled_pending} cancelled while pending)")
         if c["timeouts"] < t.timed_out or c["answered"] < t.answered:
             self.violation("client: fewer answers or timeouts counted than the threads saw")
         if c["duplicate_answers"]:
@@ -1520,11 +1448,9 @@ class Harness:
                 "deadline_expired": s.get("lookups", {}).get("deadline_expired"),
                 "disk_errors": disk.get("errors"),
                 "disk_writes_dropped": disk.get("writes_dropped"),
-                "mooncake": None
-                if mooncake is None
-                else {
-                    k: mooncake[k]
-                    for k in ("chunks_loaded", "chunks_stored", "errors", "writes_dropped")
+                "mooncake": None if mooncake is None else {
+                    k: mooncake[k] for k in ("chunks_loaded", "chunks_stored", "errors",
+                                             "writes_dropped")
                 },
                 "corrupt_files_removed": s.get("corrupt_files_removed"),
                 "warnings_logged": s.get("log_counts", {}).get("WARNING", 0),
@@ -1534,20 +1460,16 @@ class Harness:
             }
         return {
             "settings": {k: getattr(self.s, k) for k in self.s.__dataclass_fields__},
-            "disk": {
-                "how": self.disk.how,
-                "tmpfs_bytes": self.disk.tmpfs_bytes,
-                "full_disk_unavailable": self.disk.unavailable,
-            },
+            "disk": {"how": self.disk.how, "tmpfs_bytes": self.disk.tmpfs_bytes,
+                     "full_disk_unavailable": self.disk.unavailable},
             "startup_s": round(startup_s, 2),
             "fault_phase_s": round(fault_s, 1),
             "traffic": {k: getattr(t, k) for k in t.__dataclass_fields__},
             "scenarios": {k: getattr(scen, k) for k in scen.__dataclass_fields__},
             "wrong_bytes": wrong_bytes,
             "faults": dict(sorted(self.faults.items())),
-            "faults_by_kind": {
-                k: sum(v for f, v in self.faults.items() if f.startswith(k)) for k in KINDS
-            },
+            "faults_by_kind": {k: sum(v for f, v in self.faults.items() if f.startswith(k))
+                               for k in KINDS},
             "counters": dict(sorted(self.counters.items())),
             "client": c,
             "workers": workers,
@@ -1621,10 +1543,8 @@ def _setup_disk(tmpfs_bytes: int, tmpfs_inodes: int) -> DiskSetup:
         cmd = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(root)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if done.returncode == 0:
-            how = (
-                f"a {tmpfs_bytes // MiB} MiB tmpfs (`mount -t tmpfs -o {options}`) in "
-                f"a private mount namespace (`{os.environ[_IN_NAMESPACE]}`)"
-            )
+            how = (f"a {tmpfs_bytes // MiB} MiB tmpfs (`mount -t tmpfs -o {options}`) in "
+                   f"a private mount namespace (`{os.environ[_IN_NAMESPACE]}`)")
             return DiskSetup(root, tmpfs_bytes, how)
         reason = f"mount -t tmpfs failed: {done.stderr.strip() or done.returncode}"
     else:
@@ -1654,10 +1574,8 @@ def _machine() -> str:
             if line.startswith("MemTotal:"):
                 mem = int(line.split()[1]) // (1024 * 1024)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{os.cpu_count()} × {model}, {mem} GiB, Linux {platform.release()}, "
-        f"Python {platform.python_version()}; load average at the end {load}"
-    )
+    return (f"{os.cpu_count()} × {model}, {mem} GiB, Linux {platform.release()}, "
+            f"Python {platform.python_version()}; load average at the end {load}")
 
 
 def summary(fig: dict[str, Any]) -> str:
@@ -1680,23 +1598,17 @@ def summary(fig: dict[str, Any]) -> str:
         "client: " + ", ".join(f"{k} {v}" for k, v in c.items()),
     ]
     for rank, w in fig["workers"].items():
-        growth = (
-            "killed (not a surviving process)"
-            if w["rss_growth_kib"] is None
-            else f"RSS {w['rss_baseline_kib'] / 1024:.1f} → {w['rss_end_kib'] / 1024:.1f} "
-            f"MiB ({w['rss_growth_kib'] / 1024:+.1f})"
-        )
+        growth = ("killed (not a surviving process)" if w["rss_growth_kib"] is None
+                  else f"RSS {w['rss_baseline_kib'] / 1024:.1f} → {w['rss_end_kib'] / 1024:.1f} "
+                       f"MiB ({w['rss_growth_kib'] / 1024:+.1f})")
         lines.append(
             f"rank {rank}: restarts {w['restarts']}, requests accepted "
             f"{w['requests_accepted']} / answers sent {w['answers_sent']} (this process), "
             f"deadline expired {w['deadline_expired']}, disk errors {w['disk_errors']}, "
             f"writes dropped {w['disk_writes_dropped']}, corrupt files removed "
             f"{w['corrupt_files_removed']}; {growth}"
-            + (
-                ""
-                if w.get("mooncake") is None
-                else "; mooncake " + ", ".join(f"{k} {v}" for k, v in w["mooncake"].items())
-            )
+            + ("" if w.get("mooncake") is None else
+               "; mooncake " + ", ".join(f"{k} {v}" for k, v in w["mooncake"].items()))
         )
     lines.append(f"driver (client) RSS growth {fig['driver_rss_growth_kib'] / 1024:+.1f} MiB")
     lines.append(f"violations: {fig['violation_count']}")
@@ -1717,74 +1629,52 @@ def write_report(path: Path, fig: dict[str, Any], command: str) -> None:
     kinds, faults = fig["faults_by_kind"], fig["faults"]
 
     def both(kind: str) -> str:
-        return (
-            f"{kinds[kind]} ({faults.get(kind + '-targeted', 0)} targeted, "
-            f"{faults.get(kind + '-blind', 0)} blind)"
-        )
+        return (f"{kinds[kind]} ({faults.get(kind + '-targeted', 0)} targeted, "
+                f"{faults.get(kind + '-blind', 0)} blind)")
 
     verified_mib = (t["bytes_verified"] + sc["bytes_verified"]) / MiB
     figures = [
         ("fault phase", f"{fig['fault_phase_s']} s, seed {fig['settings']['seed']}"),
-        (
-            f"lookups by the {fig['settings']['threads']} threads",
-            f"{t['lookups']} (answered {t['answered']}, timed out to 0 {t['timed_out']}, "
-            f"cancelled mid-lookup {t['cancelled_pending']})",
-        ),
-        (
-            "lookups by the fault scenarios",
-            f"{cn.get('scenario_lookups', 0)} ({cn.get('scenario_lookups_asked_again', 0)} asked "
-            "again because the first answer came late)",
-        ),
-        (
-            "claims / chunks verified",
-            f"{t['claims'] + sc['claims']} / {t['chunks_verified'] + sc['chunks_verified']} "
-            f"({verified_mib:.1f} MiB)",
-        ),
+        (f"lookups by the {fig['settings']['threads']} threads",
+         f"{t['lookups']} (answered {t['answered']}, timed out to 0 {t['timed_out']}, "
+         f"cancelled mid-lookup {t['cancelled_pending']})"),
+        ("lookups by the fault scenarios",
+         f"{cn.get('scenario_lookups', 0)} ({cn.get('scenario_lookups_asked_again', 0)} asked "
+         "again because the first answer came late)"),
+        ("claims / chunks verified",
+         f"{t['claims'] + sc['claims']} / {t['chunks_verified'] + sc['chunks_verified']} "
+         f"({verified_mib:.1f} MiB)"),
         ("**wrong bytes**", f"**{fig['wrong_bytes']}**"),
         ("stores by the threads", f"{t['stores']} prompts"),
-        (
-            "kills",
-            f"{both('kill')}; {cn.get('killed_mid_load', 0)} with a disk read held "
-            f"inside a load, {cn.get('killed_mid_write', 0)} with a chunk file half "
-            "written",
-        ),
-        (
-            "restarts that found their disk tier",
-            f"{cn.get('restarts_found_disk', 0)} of {cn.get('restarts', 0)} "
-            f"({cn.get('chunk_files_found_after_restart', 0)} chunk files indexed, "
-            f"{cn.get('stale_temp_files_removed_on_restart', 0)} stale temporary files removed)",
-        ),
+        ("kills", f"{both('kill')}; {cn.get('killed_mid_load', 0)} with a disk read held "
+                  f"inside a load, {cn.get('killed_mid_write', 0)} with a chunk file half "
+                  "written"),
+        ("restarts that found their disk tier",
+         f"{cn.get('restarts_found_disk', 0)} of {cn.get('restarts', 0)} "
+         f"({cn.get('chunk_files_found_after_restart', 0)} chunk files indexed, "
+         f"{cn.get('stale_temp_files_removed_on_restart', 0)} stale temporary files removed)"),
         ("pauses", both("pause")),
         ("files deleted", both("delete")),
         ("files truncated", both("truncate")),
         ("files corrupted", both("corrupt")),
         ("blind damage: files hit", str(cn.get("files_damaged_blind", 0))),
-        (
-            "targeted damage read by the load it was made under",
-            str(cn.get("damage_seen_mid_load", 0)),
-        ),
-        (
-            "full disk",
-            f"{kinds['full_disk']}: {cn.get('writes_refused_by_full_disk', 0)} writes refused "
-            f"(ENOSPC), {cn.get('writes_on_full_disk_after_eviction', 0)} written after evicting, "
-            f"{cn.get('restarts_on_full_disk', 0)} restarts on the full disk",
-        ),
-        (
-            "client: answered / timeouts / stale answers dropped / duplicate answers",
-            f"{c['answered']} / {c['timeouts']} / {c['stale_answers_dropped']} / "
-            f"{c['duplicate_answers']}",
-        ),
+        ("targeted damage read by the load it was made under",
+         str(cn.get("damage_seen_mid_load", 0))),
+        ("full disk",
+         f"{kinds['full_disk']}: {cn.get('writes_refused_by_full_disk', 0)} writes refused "
+         f"(ENOSPC), {cn.get('writes_on_full_disk_after_eviction', 0)} written after evicting, "
+         f"{cn.get('restarts_on_full_disk', 0)} restarts on the full disk"),
+        ("client: answered / timeouts / stale answers dropped / duplicate answers",
+         f"{c['answered']} / {c['timeouts']} / {c['stale_answers_dropped']} / "
+         f"{c['duplicate_answers']}"),
         ("driver (client) RSS growth", f"{fig['driver_rss_growth_kib'] / 1024:+.1f} MiB"),
         ("violations", str(fig["violation_count"])),
     ]
     workers = []
     for rank, w in fig["workers"].items():
-        rss = (
-            "killed, restarted"
-            if w["rss_growth_kib"] is None
-            else f"{w['rss_baseline_kib'] / 1024:.1f} → {w['rss_end_kib'] / 1024:.1f} MiB "
-            f"({w['rss_growth_kib'] / 1024:+.1f})"
-        )
+        rss = ("killed, restarted" if w["rss_growth_kib"] is None
+               else f"{w['rss_baseline_kib'] / 1024:.1f} → {w['rss_end_kib'] / 1024:.1f} MiB "
+                    f"({w['rss_growth_kib'] / 1024:+.1f})")
         workers.append(
             f"| {rank} | {w['restarts']} | {w['requests_accepted']} | {w['answers_sent']} | "
             f"{w['deadline_expired']} | {w['disk_errors']} | {w['disk_writes_dropped']} | {rss} |"
@@ -1793,8 +1683,8 @@ def write_report(path: Path, fig: dict[str, Any], command: str) -> None:
     body = f"""## Chaos
 
 `tests/chaos.py` runs whole worker processes under failure while one `LookupClient` is used
-from {fig["settings"]["threads"]} threads at once, and checks the contract all along. The
-worker ranks ({fig["settings"]["ranks"]}, each a `WorkerRuntime` serving lookups over ipc, with
+from {fig['settings']['threads']} threads at once, and checks the contract all along. The
+worker ranks ({fig['settings']['ranks']}, each a `WorkerRuntime` serving lookups over ipc, with
 a CPU tier much smaller than the data and a disk tier in one shared directory) hold prompts
 whose every chunk has known bytes. The threads look prompts up (whole, partial, with unknown
 tails; half with precomputed hashes, which sends from the calling thread), cancel some
@@ -1841,7 +1731,7 @@ holds.
 
 Command: `{command}` (`nox -s chaos` runs it; `nox -s chaos -- --seconds 600 --seed 7`
 changes the budget and the schedule; `--smoke` is the scripted short run in the test suite,
-`tests/test_chaos.py`). Machine: {_machine()}. Disk: {fig["disk"]["how"]}.
+`tests/test_chaos.py`). Machine: {_machine()}. Disk: {fig['disk']['how']}.
 
 | figure | value |
 |---|---|
@@ -1857,7 +1747,7 @@ Per worker (counters of the process alive at the end; a killed process takes its
     if m is None:
         text = text.rstrip("\n") + "\n\n" + body
     else:
-        nxt = re.search(r"^## ", text[m.end() :], flags=re.M)
+        nxt = re.search(r"^## ", text[m.end():], flags=re.M)
         end = m.end() + nxt.start() if nxt else len(text)
         text = text[: m.start()] + body + ("\n" + text[end:] if nxt else "")
     path.write_text(text)
@@ -1869,25 +1759,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=180.0, help="fault phase (default 180)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="the short scripted run of the tests")
-    p.add_argument(
-        "--lookup-timeout",
-        type=float,
-        default=2.0,
-        help="the client's lookup_timeout_s (default 2)",
-    )
+    p.add_argument("--lookup-timeout", type=float, default=2.0,
+                   help="the client's lookup_timeout_s (default 2)")
     p.add_argument("--report", type=Path, help="write the figures under '## Chaos' in this file")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
-    p.add_argument(
-        "--no-namespace",
-        action="store_true",
-        help="do not re-run under unshare (no tmpfs unless already in one)",
-    )
-    p.add_argument(
-        "--mooncake",
-        action="store_true",
-        help="every rank also has the Mooncake tier (needs Mooncake installed; runs "
-        "in a private network namespace)",
-    )
+    p.add_argument("--no-namespace", action="store_true",
+                   help="do not re-run under unshare (no tmpfs unless already in one)")
+    p.add_argument("--mooncake", action="store_true",
+                   help="every rank also has the Mooncake tier (needs Mooncake installed; runs "
+                        "in a private network namespace)")
     args = p.parse_args(argv)
     if not os.environ.get(_IN_NAMESPACE) and not args.no_namespace:
         prefix = _unshare_prefix(net=args.mooncake)

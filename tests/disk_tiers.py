@@ -38,6 +38,7 @@ def file_of(path: Path, k: ChunkKey) -> trio.Path:
     return trio.Path(path / (k.to_string() + ".kv"))
 
 
+
 @asynccontextmanager
 async def opened(path: Path, **overrides: Any) -> AsyncIterator[DiskTier]:
     kwargs: dict[str, Any] = {

@@ -45,10 +45,9 @@ def test_bench_disk_summarizes_each_condition_over_its_runs() -> None:
     by_key = {g.key: g for g in bench_disk.goals(r)}
     assert by_key["disk_hit_vs_lmcache:alone"].met  # 0.55 <= 0.6
     assert not by_key["disk_hit_vs_lmcache:burners"].met
-    assert (
-        by_key["cancel_release_ms_p99:alone"].met
-        and not by_key["cancel_release_ms_p99:burners"].met
-    )
+    assert by_key["cancel_release_ms_p99:alone"].met and not by_key[
+        "cancel_release_ms_p99:burners"
+    ].met
     # Each goal carries its limit from the same runs and the highest load average beside it.
     busy_disk = by_key["disk_hit_vs_lmcache:burners"]
     assert busy_disk.limit is not None and busy_disk.limit.value == pytest.approx(0.56)

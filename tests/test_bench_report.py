@@ -88,28 +88,16 @@ def _system_result(**changes: Any) -> dict[str, Any]:
         "poll_us": 0.5,
         "miss_lookups_per_s_per_worker": 30_000.0,
         "replay": {
-            "lookups": 10,
-            "aborted": 1,
-            "latency_p50_ms": 1.0,
-            "latency_p99_ms": 2.0,
-            "hit_ratio": 0.9,
-            "latencies_ms": [1.0, 2.0],
+            "lookups": 10, "aborted": 1, "latency_p50_ms": 1.0, "latency_p99_ms": 2.0,
+            "hit_ratio": 0.9, "latencies_ms": [1.0, 2.0],
         },
         "tier_gbps": {"cpu": None, "disk": 2.0},
         "tier_bytes_loaded": {"cpu": 1e6, "disk": 1e6},
         "disk_probe": {
-            "workers": 2,
-            "concurrency_per_worker": 8,
-            "chunks_per_lookup": 16,
-            "rounds": 4,
-            "prefetch_gbps": 2.0,
-            "verified_read_gbps": 4.0,
-            "raw_read_gbps": 8.0,
-            "vs_verified_read": 0.5,
-            "vs_raw_read": 0.25,
-            "raw_vs_verified_read": 2.0,
-            "reads_trusted": 10,
-            "reads_hashed": 2,
+            "workers": 2, "concurrency_per_worker": 8, "chunks_per_lookup": 16, "rounds": 4,
+            "prefetch_gbps": 2.0, "verified_read_gbps": 4.0, "raw_read_gbps": 8.0,
+            "vs_verified_read": 0.5, "vs_raw_read": 0.25, "raw_vs_verified_read": 2.0,
+            "reads_trusted": 10, "reads_hashed": 2,
         },
         "cancel_samples": 40,
         "cancel_release_ms_p50": 0.2,
@@ -125,13 +113,8 @@ def _system_result(**changes: Any) -> dict[str, Any]:
         "thread_hop_ms_max": 4.0,
         "cpus": 2,
         "load_avg_before": 0.5,
-        "load_avg": {
-            "transport": 1.0,
-            "scheduler": 1.25,
-            "replay": 3.5,
-            "disk": 3.0,
-            "cancel": 2.75,
-        },
+        "load_avg": {"transport": 1.0, "scheduler": 1.25, "replay": 3.5, "disk": 3.0,
+                     "cancel": 2.75},
     }
     r.update(changes)
     return r
@@ -274,10 +257,7 @@ def test_bench_engine_disk_only_keeps_the_limits_and_the_load_per_case() -> None
                 "cold_first_disk_us", "cold_ratio"):  # fmt: skip
         del r[key]
     r.update(
-        disk_hit_hashed_us=4500.0,
-        disk_x8_hashed_us=45000.0,
-        cpus=2,
-        load_avg=1.5,
+        disk_hit_hashed_us=4500.0, disk_x8_hashed_us=45000.0, cpus=2, load_avg=1.5,
         load_avg_before=0.25,
         load_avg_per_case={c: [0.5, 1.25] for c, _ in bench_engine.DISK_CASES},
     )
@@ -304,7 +284,9 @@ def test_a_real_run_measures_each_limit_and_the_load() -> None:
         *("--rtt-samples", "50", "--cancel-samples", "3", "--chunk-bytes", "65536"),
         *("--cpu-bytes", str(4 << 20), "--json"),
     ]
-    out = subprocess.run([*cli, *small], capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [*cli, *small], capture_output=True, text=True, timeout=600, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     r = json.loads(out.stdout)
     for key in ("raw_echo_per_s", "floor_submit_us", "floor_poll_us", "thread_hop_ms_p99",

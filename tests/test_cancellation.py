@@ -518,3 +518,4 @@ def test_flush_cancelled_at_every_checkpoint_redis(
             client.flushall()
 
     flush_everywhere(lambda i: base_config(redis_url=redis_server.url), reset)
+

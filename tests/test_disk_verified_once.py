@@ -261,10 +261,7 @@ async def verified_then_trusted_after(
 
 @pytest.mark.parametrize("verified_when", ["racy", "old"])
 async def test_a_change_that_the_timestamps_cannot_show_is_caught_while_racy(
-    tmp_path: Path,
-    arena: Arena,
-    spy: _HashSpy,
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, arena: Arena, spy: _HashSpy, monkeypatch: pytest.MonkeyPatch,
     verified_when: str,
 ) -> None:
     """A change within one tick of the file system's timestamps leaves the identity as it
@@ -281,23 +278,13 @@ async def test_a_change_that_the_timestamps_cannot_show_is_caught_while_racy(
             before = await trio.Path(path).stat()
             await trio.to_thread.run_sync(_rewrite_same_size, path)
             frozen = SimpleNamespace(
-                st_dev=before.st_dev,
-                st_ino=before.st_ino,
-                st_size=before.st_size,
-                st_mtime_ns=before.st_mtime_ns,
-                st_ctime_ns=before.st_ctime_ns,
+                st_dev=before.st_dev, st_ino=before.st_ino, st_size=before.st_size,
+                st_mtime_ns=before.st_mtime_ns, st_ctime_ns=before.st_ctime_ns,
             )
-            monkeypatch.setattr(
-                chunkfile,
-                "os",
-                OsProxy(
-                    {
-                        "fstat": lambda fd: (
-                            frozen if os.fstat(fd).st_ino == before.st_ino else os.fstat(fd)
-                        ),
-                    }
-                ),
-            )
+            monkeypatch.setattr(chunkfile, "os", OsProxy({
+                "fstat": lambda fd: frozen if os.fstat(fd).st_ino == before.st_ino
+                else os.fstat(fd),
+            }))
             got = await load(tier, arena, keys())
             if verified_when == "racy":
                 assert got == [payload(0)]
@@ -363,13 +350,8 @@ def test_a_chunk_file_read_reports_its_identity(tmp_path: Path) -> None:
     first = chunkfile.read_buffered(final, b"k", memoryview(slot))
     st = os.stat(final)
     assert first == (5000, chunkfile.FileIdentity.of(st), True)
-    assert first.identity == (
-        st.st_dev,
-        st.st_ino,
-        HEADER_BYTES + 5000,
-        st.st_mtime_ns,
-        st.st_ctime_ns,
-    )
+    assert first.identity == (st.st_dev, st.st_ino, HEADER_BYTES + 5000, st.st_mtime_ns,
+                              st.st_ctime_ns)
     again = chunkfile.read_buffered(final, b"k", memoryview(slot), None, first.identity)
     assert again == (5000, first.identity, False)
     assert bytes(slot[:5000]) == data

@@ -95,7 +95,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pages(site: Path) -> list[Path]:
     # 404.html is shown by a server only (its links start at the server's root).
     return [
-        p for p in site.rglob("*.html") if site / "assets" not in p.parents and p.name != "404.html"
+        p
+        for p in site.rglob("*.html")
+        if site / "assets" not in p.parents and p.name != "404.html"
     ]
 
 

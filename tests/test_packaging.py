@@ -49,8 +49,7 @@ def test_the_installed_anyio_supports_the_installed_trio() -> None:
     needs = [
         Requirement(r)
         for r in requires("anyio") or []
-        if _name(r) == "trio"
-        and Requirement(r).marker is not None
+        if _name(r) == "trio" and Requirement(r).marker is not None
         and Requirement(r).marker.evaluate({"extra": "trio"})
     ]
     assert needs, "anyio names no trio in its trio extra"
@@ -143,7 +142,9 @@ def nox_sessions() -> list[str]:
         for decorator in node.decorator_list:
             if isinstance(decorator, ast.Call) and ast.unparse(decorator.func) == "nox.session":
                 explicit = [k.value for k in decorator.keywords if k.arg == "name"]
-                names.append(ast.literal_eval(explicit[0]) if explicit else node.name)
+                names.append(
+                    ast.literal_eval(explicit[0]) if explicit else node.name
+                )
     return names
 
 

@@ -297,7 +297,9 @@ async def test_every_async_method_is_a_checkpoint(h: Harness) -> None:
 
 
 # -- cancellation at every step ----------------------------------------------------------------
-async def call_once(op: Callable[[], Awaitable[T]], target: Target | None) -> tuple[list[T], Steps]:
+async def call_once(
+    op: Callable[[], Awaitable[T]], target: Target | None
+) -> tuple[list[T], Steps]:
     """Run ``op`` in a task named ``caller``, cancelling it at ``target`` (see Steps)."""
     steps = Steps(named("caller"), target)
     scope = trio.CancelScope()

@@ -133,7 +133,9 @@ def target_problem(site: Path, base: str, url: str) -> str | None:
     return "a directory (a listing from disk)" if path.is_dir() else "no such file"
 
 
-def check_page(page: Page, site: Path, base: str, path: str, problems: list[str]) -> dict[str, Any]:
+def check_page(
+    page: Page, site: Path, base: str, path: str, problems: list[str]
+) -> dict[str, Any]:
     """Load one page and check its links and diagrams; returns what the report keeps."""
     url = base + path
     response = page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
@@ -206,11 +208,9 @@ def check_mode(
     page = context.new_page()
     page.on(
         "console",
-        lambda m: (
-            problems.append(f"{current['url']}: console {m.type}: {m.text}")
-            if m.type == "error"
-            else None
-        ),
+        lambda m: problems.append(f"{current['url']}: console {m.type}: {m.text}")
+        if m.type == "error"
+        else None,
     )
     page.on("pageerror", lambda e: problems.append(f"{current['url']}: page error: {e}"))
     page.on(

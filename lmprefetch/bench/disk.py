@@ -264,12 +264,8 @@ def run(
                 with burners(n_burners if condition == "burners" else 0):
                     with measured_load() as load:
                         r = bench_engine.run(
-                            chunks,
-                            chunk_bytes,
-                            repeats,
-                            lmcache="off" if peer is None else "on",
-                            disk_only=True,
-                            peer=peer,
+                            chunks, chunk_bytes, repeats, lmcache="off" if peer is None else "on",
+                            disk_only=True, peer=peer,
                         )
                     _engine_figures(r, load, sample)
                     sample.raw["engine"] = r
@@ -280,11 +276,9 @@ def run(
                     sample.raw["system"] = s
                 samples.append(sample)
                 if log is not None:
-                    log(
-                        f"run {i + 1}/{runs} {condition}: "
+                    log(f"run {i + 1}/{runs} {condition}: "
                         + ", ".join(f"{k} {v:.3g}" for k, v in sample.figures.items())
-                        + f" ({time.monotonic() - t0:.0f} s)"
-                    )
+                        + f" ({time.monotonic() - t0:.0f} s)")
     return {
         "runs": runs,
         "repeats": repeats,
@@ -348,19 +342,9 @@ def goals(r: dict[str, Any]) -> list[Goal]:
             if key in figures:
                 f = figures[key]
                 limit = Limit(LIMITS[key], f["limit"]) if "limit" in f else None
-                out.append(
-                    Goal(
-                        f"{key}:{condition}",
-                        f"{label} ({condition})",
-                        f["median"],
-                        op,
-                        target,
-                        unit,
-                        limit=limit,
-                        load_avg=f["load_avg"][1],
-                        cpus=r.get("cpus", 0),
-                    )
-                )
+                out.append(Goal(f"{key}:{condition}", f"{label} ({condition})", f["median"], op,
+                                target, unit, limit=limit, load_avg=f["load_avg"][1],
+                                cpus=r.get("cpus", 0)))
     return out
 
 
@@ -378,13 +362,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['seconds']:.0f} s",
     ]
     if not r["lmcache"]:
-        lines.append(
-            "  LMCache is not importable here: no LMCache figure (run with the Python "
-            "of an environment with lmcache==0.5.6)"
-        )
-    rows = [(k, label, unit, goal) for k, label, _, _, unit in FIGURES for goal in [True]] + [
-        (k, label, unit, False) for k, label, unit in REFERENCE
-    ]
+        lines.append("  LMCache is not importable here: no LMCache figure (run with the Python "
+                     "of an environment with lmcache==0.5.6)")
+    rows = [(k, label, unit, goal) for k, label, _, _, unit in FIGURES
+            for goal in [True]] + [(k, label, unit, False) for k, label, unit in REFERENCE]
     summary = r["summary"]
     by_key = {g.key: g for g in goals(r)}
     for condition in CONDITIONS:
@@ -402,10 +383,8 @@ def format_report(r: dict[str, Any]) -> str:
                 text += f" goal {g.goal_text():<8} {g.mark():<9}"
             else:
                 text += " " * 24
-            text += (
-                f"  load avg {f['load_avg'][0]:.1f}–{f['load_avg'][1]:.1f}, run queue "
-                f"{f['run_queue'][0]:.1f}–{f['run_queue'][1]:.1f}"
-            )
+            text += (f"  load avg {f['load_avg'][0]:.1f}–{f['load_avg'][1]:.1f}, run queue "
+                     f"{f['run_queue'][0]:.1f}–{f['run_queue'][1]:.1f}")
             lines.append(text)
             if has_goal:
                 lines += [f"  {x}" for x in by_key[f"{key}:{condition}"].lines()[1:]]
@@ -414,42 +393,20 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--runs",
-        type=int_at_least(1),
-        default=3,
-        help="runs, each measuring every condition (default: 3)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int_at_least(1),
-        default=30,
-        help="engine lookups per case per run (default: 30)",
-    )
-    p.add_argument(
-        "--burners",
-        type=int_at_least(1),
-        default=2,
-        help="CPU-bound processes of the busy condition (default: 2)",
-    )
-    p.add_argument(
-        "--lmcache",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="measure LMCache 0.5.6 in this process: auto (when importable), on "
-        "(required), off (default: auto)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="small chunks and a small workload: checks that it runs, no figures",
-    )
-    p.add_argument(
-        "--json",
-        metavar="FILE",
-        help="also write every sample and the summary as JSON to FILE ('-': print "
-        "the JSON instead of the table)",
-    )
+    p.add_argument("--runs", type=int_at_least(1), default=3,
+                   help="runs, each measuring every condition (default: 3)")
+    p.add_argument("--repeats", type=int_at_least(1), default=30,
+                   help="engine lookups per case per run (default: 30)")
+    p.add_argument("--burners", type=int_at_least(1), default=2,
+                   help="CPU-bound processes of the busy condition (default: 2)")
+    p.add_argument("--lmcache", choices=["auto", "on", "off"], default="auto",
+                   help="measure LMCache 0.5.6 in this process: auto (when importable), on "
+                   "(required), off (default: auto)")
+    p.add_argument("--quick", action="store_true",
+                   help="small chunks and a small workload: checks that it runs, no figures")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every sample and the summary as JSON to FILE ('-': print "
+                   "the JSON instead of the table)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -458,7 +415,8 @@ def main(args: argparse.Namespace) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    r = run(args.runs, args.repeats, args.burners, lmcache=args.lmcache, quick=args.quick, log=log)
+    r = run(args.runs, args.repeats, args.burners, lmcache=args.lmcache, quick=args.quick,
+            log=log)
     r["goals"] = [g.as_dict() for g in goals(r)]
     if args.json == "-":
         print(json.dumps(r, indent=2, default=str))

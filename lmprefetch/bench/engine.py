@@ -221,7 +221,9 @@ async def _run(
             t0 = time.perf_counter()
             async with open_engine(config) as engine:
                 opens.append(time.perf_counter() - t0)
-                colds.append(await timed(_lookup_and_release, engine, f"cold{k}", prompts[1], offs))
+                colds.append(
+                    await timed(_lookup_and_release, engine, f"cold{k}", prompts[1], offs)
+                )
         out["engine_open_ms"] = statistics.median(opens) * 1e3
         out["cold_first_disk_us"] = _median_us(colds)
         out["cold_first_disk_all_us"] = [c * 1e6 for c in colds]
@@ -281,14 +283,8 @@ async def _run(
             for i in range(repeats):
                 await pair("disk_hit", i, _lookup_and_release, engine, f"d{i}", prompts[1], offs)
                 await pair(
-                    "disk_hit_hashed",
-                    i,
-                    hashed,
-                    _lookup_and_release,
-                    engine,
-                    f"h{i}",
-                    prompts[1],
-                    offs,
+                    "disk_hit_hashed", i, hashed, _lookup_and_release, engine, f"h{i}",
+                    prompts[1], offs,
                 )
                 raw.append(_raw_read_s(files[1], slots))
                 verified.append(_raw_read_s(files[1], slots, verify=True))
@@ -443,11 +439,7 @@ def run(
         with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
             return trio.run(
                 functools.partial(_run, disk_only=disk_only),
-                chunks,
-                chunk_bytes,
-                repeats,
-                tmp,
-                peer,
+                chunks, chunk_bytes, repeats, tmp, peer,
             )
     use_peer = lmcache != "off" and lmcache_available()
     if lmcache == "on" and not use_peer:
@@ -484,7 +476,9 @@ def format_report(r: dict[str, Any]) -> str:
     for case, name in _cases(r):
         ours = r[f"{case}_us"]
         limit_name, limit = limits[case]
-        line = f"  {name:<27}{ours:10.1f}µs   {limit_name:>19} {limit:7.1f}µs{ours / limit:7.2f}×"
+        line = (
+            f"  {name:<27}{ours:10.1f}µs   {limit_name:>19} {limit:7.1f}µs{ours / limit:7.2f}×"
+        )
         if lmc:
             q = lmc["ratios"][case]
             line += (
@@ -576,10 +570,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     r = run(
-        args.chunks,
-        args.chunk_bytes,
-        args.repeats,
-        lmcache=args.lmcache,
+        args.chunks, args.chunk_bytes, args.repeats, lmcache=args.lmcache,
         disk_only=args.disk_only,
     )
     print(json.dumps(r, indent=2) if args.json else format_report(r))

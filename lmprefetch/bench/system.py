@@ -58,7 +58,6 @@ from .workload import BenchOptions, fraction, int_at_least, make_workload
 
 __all__ = ["BenchOptions", "add_arguments", "main", "run_bench", "summarize_disk_probe"]
 
-
 # -- the whole run ----------------------------------------------------------------------
 def summarize_disk_probe(probes: list[dict[str, Any]]) -> dict[str, Any]:
     """The workers' disk probes (see ``processes._measure_disk``) as one figure: the median
@@ -73,7 +72,10 @@ def summarize_disk_probe(probes: list[dict[str, Any]]) -> dict[str, Any]:
 
     def ratios(base: str) -> list[float]:
         return [
-            a / b for p in probes for a, b in zip(p["prefetch_gbps"], p[base], strict=True) if b > 0
+            a / b
+            for p in probes
+            for a, b in zip(p["prefetch_gbps"], p[base], strict=True)
+            if b > 0
         ]
 
     def total(name: str) -> float:

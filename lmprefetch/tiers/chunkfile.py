@@ -312,12 +312,7 @@ def read_buffered(
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return _read_fd(
-            fd,
-            key_bytes,
-            slot,
-            bytearray(HEADER_BYTES),
-            direct=False,
-            check=check,
+            fd, key_bytes, slot, bytearray(HEADER_BYTES), direct=False, check=check,
             trusted=trusted,
         )
     finally:
@@ -447,7 +442,9 @@ def _check_header(header: memoryview | bytearray, key_bytes: bytes, payload_byte
     return int(checksum)
 
 
-def _read_into(fd: int, views: list[memoryview | bytearray], expected: int, offset: int = 0) -> int:
+def _read_into(
+    fd: int, views: list[memoryview | bytearray], expected: int, offset: int = 0
+) -> int:
     """``preadv`` from ``offset`` until ``expected`` bytes arrived, the views are full or the
     file ended; the number of bytes read."""
     pending = [memoryview(view) for view in views]
@@ -475,14 +472,8 @@ def write_file(final: str, temp: str, key_bytes: bytes, payload: memoryview) -> 
     """Write a chunk file to ``temp``, then rename it over ``final`` (atomic)."""
     header = bytearray(HEADER_BYTES)
     HEADER.pack_into(
-        header,
-        0,
-        MAGIC,
-        VERSION,
-        HEADER_BYTES,
-        payload.nbytes,
-        xxhash.xxh3_64_intdigest(payload),
-        len(key_bytes),
+        header, 0, MAGIC, VERSION, HEADER_BYTES, payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload), len(key_bytes),
     )
     header[HEADER.size : HEADER.size + len(key_bytes)] = key_bytes
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)

@@ -187,9 +187,8 @@ class DiskTier(WritesBehind, BaseTier):
         super().__init__()
         self._owns = owns
         if capacity_bytes < HEADER_BYTES:
-            raise ValueError(
-                f"capacity_bytes: must hold one header ({HEADER_BYTES}), got {capacity_bytes}"
-            )
+            raise ValueError(f"capacity_bytes: must hold one header ({HEADER_BYTES}), got "
+                             f"{capacity_bytes}")
         if read_threads < 1:
             raise ValueError(f"read_threads: must be at least 1, got {read_threads}")
         if write_queue < 1:
@@ -307,12 +306,10 @@ class DiskTier(WritesBehind, BaseTier):
             return 0
         trusted = self._trusted if self.verify_once else {}
         with contextlib.ExitStack() as slots:  # released once no thread can touch them
-            run = _LoadRun(
-                [
-                    (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
-                    for key, buf in zip(keys[:indexed], buffers, strict=False)
-                ]
-            )
+            run = _LoadRun([
+                (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
+                for key, buf in zip(keys[:indexed], buffers, strict=False)
+            ])
             readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
             try:
                 if readers == 1:
@@ -420,9 +417,8 @@ class DiskTier(WritesBehind, BaseTier):
                     self._drop(key)
                     self.corrupt_files_removed += 1
                     self.stats.errors += 1
-                    log.warning(
-                        "disk tier: dropped corrupt chunk file %s: %s", key.to_string(), outcome
-                    )
+                    log.warning("disk tier: dropped corrupt chunk file %s: %s",
+                                key.to_string(), outcome)
                 elif isinstance(outcome, chunkfile.TooLarge):  # the file is fine, the slot small
                     self.stats.errors += 1
                 else:  # EIO, EMFILE, ...: a miss now; the file may be fine later
@@ -497,9 +493,8 @@ class DiskTier(WritesBehind, BaseTier):
             return False
         return self._writes.put(key, buf)
 
-    async def _run_writer(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def _run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
         """The write-behind task: writes queued chunks one at a time, in order, until
         :meth:`aclose` stops it.
 
@@ -606,11 +601,8 @@ class DiskTier(WritesBehind, BaseTier):
         dropped and their buffer references released.  Idempotent.
         """
         if not await self._flush_before_close(self.close_timeout_s):
-            log.warning(
-                "disk tier: close gave up flushing after %.1f s, dropping %d writes",
-                self.close_timeout_s,
-                self._writes.pending,
-            )
+            log.warning("disk tier: close gave up flushing after %.1f s, dropping %d writes",
+                        self.close_timeout_s, self._writes.pending)
         if self._writer_scope is not None:
             self._writer_scope.cancel()
 
@@ -679,3 +671,5 @@ def _only_cancelled(exc: BaseException) -> trio.Cancelled | None:
     if any(leaf is None for leaf in leaves):
         return None
     return leaves[0]
+
+
