@@ -29,6 +29,7 @@ master key.  Compose with codecs by compressing first (ciphertext does not compr
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import secrets
 import struct
@@ -47,6 +48,7 @@ __all__ = [
     "DecryptionMiss",
     "KeyFileError",
     "TenantCipher",
+    "cryptography_missing",
     "is_sealed",
     "load_master_key",
     "tenant_id",
@@ -98,6 +100,13 @@ def load_master_key(path: str | os.PathLike[str], *, setting: str = "encryption_
             f"{MASTER_KEY_MIN_BYTES} are needed (e.g. head -c 32 /dev/urandom > FILE)"
         )
     return key
+
+
+def cryptography_missing() -> str | None:
+    """What to install for encryption, or ``None`` if ``cryptography`` is there."""
+    if importlib.util.find_spec("cryptography") is None:
+        return f"encryption needs the cryptography package: {EXTRA_HINT}"
+    return None
 
 
 def tenant_id(salt: bytes | None) -> bytes:
