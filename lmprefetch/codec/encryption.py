@@ -43,8 +43,8 @@ from .format import CodecMiss
 __all__ = [
     "ENCODED",
     "ENVELOPE",
-    "RAW",
     "MASTER_KEY_MIN_BYTES",
+    "RAW",
     "DecryptionMiss",
     "KeyFileError",
     "TenantCipher",
@@ -173,14 +173,20 @@ class TenantCipher:
         return cipher
 
     def seal(
-        self, plaintext: bytes | memoryview, *, tenant: bytes, key_name: bytes, content: int = RAW
+        self,
+        plaintext: bytes | bytearray | memoryview,
+        *,
+        tenant: bytes,
+        key_name: bytes,
+        content: int = RAW,
     ) -> bytes:
         """``plaintext`` encrypted and authenticated for ``tenant`` under the chunk key
         ``key_name`` (``ChunkKey.to_string().encode()``); ``content`` (:data:`RAW` or
         :data:`ENCODED`) is recorded, authenticated, for the reader."""
         head = ENVELOPE.pack(MAGIC, VERSION, AES_256_GCM, content, secrets.token_bytes(12))
         aad = _framed(head, tenant, key_name)
-        return head + self._cipher(tenant).encrypt(head[-12:], bytes(plaintext), aad)
+        sealed: bytes = self._cipher(tenant).encrypt(head[-12:], bytes(plaintext), aad)
+        return head + sealed
 
     @staticmethod
     def opened_bytes(blob: bytes | bytearray | memoryview) -> int:

@@ -73,7 +73,7 @@ def encode_planes(payload: bytes | bytearray | memoryview, itemsize: int) -> byt
     heads = [_PLANES.pack(planes)]
     parts: list[bytes | memoryview] = []
     for i in range(planes):
-        plane = memoryview(np.ascontiguousarray(columns[:, i])) if planes > 1 else memoryview(data)
+        plane = np.ascontiguousarray(columns[:, i]).data if planes > 1 else data.data
         packed = _compressor().compress(plane)
         if len(packed) <= len(plane) * (1 - MIN_SAVING):
             heads.append(_PLANE.pack(_ZSTD, len(packed)))
@@ -108,7 +108,7 @@ def decode_planes(body: memoryview, out: memoryview) -> None:
                     raise CorruptEncoding("lossless body: raw plane of the wrong size")
                 dest[:, i] = np.frombuffer(src, dtype=np.uint8)
             elif mode == _ZSTD:
-                target = out if planes == 1 else memoryview(_scratch(plane_bytes))
+                target = out if planes == 1 else _scratch(plane_bytes).data
                 _decompress_into(src, target)
                 if planes > 1:
                     dest[:, i] = np.frombuffer(target, dtype=np.uint8)

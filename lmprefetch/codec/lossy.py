@@ -63,7 +63,7 @@ _FP8_MAX = 448.0
 _FP8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32)
 
 
-def bitround(payload: bytes | bytearray | memoryview, dtype: str, keep: int) -> np.ndarray[Any, Any]:
+def bitround(payload: bytes | bytearray | memoryview, dtype: str, keep: int) -> memoryview:
     """The payload's elements with their mantissas rounded to ``keep`` bits (ties to even).
 
     Non-finite elements are left as they are, and an element that would round up to infinity
@@ -71,9 +71,10 @@ def bitround(payload: bytes | bytearray | memoryview, dtype: str, keep: int) -> 
     """
     itemsize = np.dtype(FLOAT_DTYPES[dtype]).itemsize
     drop = MANTISSA_BITS[dtype] - keep
-    bits = np.frombuffer(payload, dtype=_UINT[itemsize])
+    bits: np.ndarray[Any, Any] = np.frombuffer(payload, dtype=_UINT[itemsize])
     if drop <= 0:
-        return bits.copy()
+        same: memoryview = bits.copy().data.cast("B")
+        return same
     wide = bits.astype(_WIDE[itemsize])
     exponent_mask = ((1 << (8 * itemsize - 1)) - 1) ^ ((1 << MANTISSA_BITS[dtype]) - 1)
     keep_mask = ~((1 << drop) - 1) & ((1 << (8 * itemsize)) - 1)
@@ -83,11 +84,12 @@ def bitround(payload: bytes | bytearray | memoryview, dtype: str, keep: int) -> 
     overflow = (rounded & exponent_mask) == exponent_mask
     truncated = wide & keep_mask
     out = np.where(finite & ~overflow, rounded, np.where(finite, truncated, wide))
-    return out.astype(_UINT[itemsize])
+    return out.astype(_UINT[itemsize]).data.cast("B")
 
 
 def _as_float32(payload: bytes | bytearray | memoryview, dtype: str) -> np.ndarray[Any, Any]:
-    return np.frombuffer(payload, dtype=FLOAT_DTYPES[dtype]).astype(F32)
+    values: np.ndarray[Any, Any] = np.frombuffer(payload, dtype=FLOAT_DTYPES[dtype]).astype(F32)
+    return values
 
 
 def _groups(values: np.ndarray[Any, Any], group: int) -> np.ndarray[Any, Any]:
@@ -169,7 +171,7 @@ def dequantize_into(body: memoryview, out: memoryview, dtype: str, codec: str, g
     if len(out) % itemsize or group < 1 or (codec == "int4" and group % 2):
         raise CorruptEncoding(f"{codec} body: {len(out)} bytes in groups of {group}")
     elements = len(out) // itemsize
-    inner = memoryview(_scratch(quantized_body_bytes(codec, elements, group)))
+    inner = _scratch(quantized_body_bytes(codec, elements, group)).data
     decode_planes(body, inner)
     groups = -(-elements // group)
     step = np.frombuffer(inner[: groups * 2], dtype=F16).astype(F32)[:, None]
@@ -189,4 +191,3 @@ def dequantize_into(body: memoryview, out: memoryview, dtype: str, codec: str, g
         values = offset + q.astype(F32) * step
     target = np.frombuffer(out, dtype=FLOAT_DTYPES[dtype])
     target[:] = values.reshape(-1)[:elements].astype(FLOAT_DTYPES[dtype])
-
