@@ -47,7 +47,7 @@ _INSTALL_HINT = {
     "lmcache": " (install: pip install -c constraints.txt torch lmcache)",
     "redis": " (install: pip install 'lmprefetch[redis]'; apt-get install -y redis-server)",
     "mooncake": "",  # the sentence says it
-    "trained": " (install: pip install -c constraints.txt '.[model,codecs]'; lmprefetch model build)",
+    "trained": " (install: pip install -c constraints.txt '.[model,codecs]')",
 }
 
 #: Per session (in the config's stash, so that nested pytest runs keep their own).

@@ -131,7 +131,7 @@ def test_english_text_is_found_offline_or_falls_back(monkeypatch) -> None:  # ty
     assert "standard library" in source and len(text) > 1000 and " the " in text
 
 
-# -- on the real model ------------------------------------------------------------------------------
+# -- on the real model ------------------------------------------------------------------------
 @pytest.mark.trained
 def test_bench_codecs_on_the_trained_model_reproduces_the_baseline_through_the_harness() -> None:
     pytest.importorskip("torch")
