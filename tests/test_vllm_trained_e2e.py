@@ -152,3 +152,30 @@ async def test_a_prompt_restored_from_disk_after_a_restart_gives_the_prefix_cach
     assert len(apc.token_ids) == GENERATED
     assert restored.token_ids == apc.token_ids
     assert restored.logprobs == apc.logprobs  # exactly: the restored KV is the computed KV
+
+
+def test_bench_serve_with_the_trained_model_restores_english_documents_from_disk(
+    tmp_path: Path,
+) -> None:
+    """``lmprefetch bench-serve --model trained``: English prompts on SmolLM2, every measured
+    document of the disk scenario served from lmprefetch's disk after the restarts."""
+    import json
+    import subprocess
+
+    out = tmp_path / "result.json"
+    argv = [
+        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress",
+        "--model", "trained", "--scenarios", "lmprefetch_disk_restart", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "SmolLM2-135M-Instruct (trained)" in proc.stdout and "English text" in proc.stdout
+    result = json.loads(out.read_text())
+    settings = result["settings"]
+    assert settings["model_kind"] == "trained" and settings["prompts"] == "English text"
+    entry = result["scenarios"]["lmprefetch_disk_restart"]
+    assert "error" not in entry, entry
+    doc_tokens = settings["long_doc_qa"]["doc_tokens"]
+    measured_docs = settings["long_doc_qa"]["docs"] * (settings["rounds"] - 1)
+    assert entry["hit_tokens"] == measured_docs * doc_tokens
+    assert entry["metrics"]["external_kv_transfer"] > 0

@@ -87,7 +87,8 @@ def kv_bytes_per_token(config: Mapping[str, Any]) -> int:
 
 
 def parameter_count(config: Mapping[str, Any]) -> int:
-    """Parameters of a Llama with this config (embeddings and LM head untied)."""
+    """Parameters of a Llama with this config (embeddings and LM head untied unless
+    ``tie_word_embeddings``)."""
     h = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     kv = int(config["num_key_value_heads"])
@@ -95,7 +96,8 @@ def parameter_count(config: Mapping[str, Any]) -> int:
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
     per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter + 2 * h
-    return int(config["num_hidden_layers"]) * per_layer + 2 * vocab * h + h
+    heads_out = 1 if config.get("tie_word_embeddings") else 2
+    return int(config["num_hidden_layers"]) * per_layer + heads_out * vocab * h + h
 
 
 def describe(config: Mapping[str, Any], kind: str = "random") -> str:
