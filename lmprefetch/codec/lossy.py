@@ -55,8 +55,7 @@ FLOAT_DTYPES: dict[str, Any] = {
 }
 #: Mantissa bits (without the implicit one) of each float dtype.
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
-_UINT = {2: np.uint16, 4: np.uint32}
-_WIDE = {2: np.uint32, 4: np.uint64}
+_UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32}
 _F16_MAX = float(np.finfo(F16).max)
 _FP8_MAX = 448.0
 #: Every e4m3 code's value: a table lookup decodes 4x faster than ml_dtypes' cast.
@@ -67,24 +66,31 @@ def bitround(payload: bytes | bytearray | memoryview, dtype: str, keep: int) -> 
     """The payload's elements with their mantissas rounded to ``keep`` bits (ties to even).
 
     Non-finite elements are left as they are, and an element that would round up to infinity
-    is truncated instead.
+    is truncated instead.  Works on the bits in the dtype's own width: for a finite element
+    the carry of the rounding never leaves it (it may carry into the exponent: the next
+    binade, or infinity, which is caught).
     """
     itemsize = np.dtype(FLOAT_DTYPES[dtype]).itemsize
+    uint = _UINT[itemsize]
     drop = MANTISSA_BITS[dtype] - keep
-    bits: np.ndarray[Any, Any] = np.frombuffer(payload, dtype=_UINT[itemsize])
+    bits: np.ndarray[Any, Any] = np.frombuffer(payload, dtype=uint)
     if drop <= 0:
         same: memoryview = bits.copy().data.cast("B")
         return same
-    wide = bits.astype(_WIDE[itemsize])
-    exponent_mask = ((1 << (8 * itemsize - 1)) - 1) ^ ((1 << MANTISSA_BITS[dtype]) - 1)
-    keep_mask = ~((1 << drop) - 1) & ((1 << (8 * itemsize)) - 1)
-    half = (1 << (drop - 1)) - 1
-    rounded = (wide + half + ((wide >> drop) & 1)) & keep_mask
-    finite = (wide & exponent_mask) != exponent_mask
-    overflow = (rounded & exponent_mask) == exponent_mask
-    truncated = wide & keep_mask
-    out = np.where(finite & ~overflow, rounded, np.where(finite, truncated, wide))
-    return out.astype(_UINT[itemsize]).data.cast("B")
+    exponent = uint(((1 << (8 * itemsize - 1)) - 1) ^ ((1 << MANTISSA_BITS[dtype]) - 1))
+    keep_mask = uint(~((1 << drop) - 1) & ((1 << (8 * itemsize)) - 1))
+    out = (bits >> drop) & uint(1)  # ties to even: round half up when the kept part is odd
+    out += uint((1 << (drop - 1)) - 1)
+    out += bits
+    out &= keep_mask
+    nonfinite = (bits & exponent) == exponent
+    infinite = (out & exponent) == exponent
+    if infinite.any():
+        out[infinite] = bits[infinite] & keep_mask
+    if nonfinite.any():
+        out[nonfinite] = bits[nonfinite]
+    rounded: memoryview = out.data.cast("B")
+    return rounded
 
 
 def _as_float32(payload: bytes | bytearray | memoryview, dtype: str) -> np.ndarray[Any, Any]:
