@@ -112,3 +112,14 @@ def test_the_master_key_file(tmp_path: Path) -> None:
         load_master_key(tmp_path)  # a directory
     with pytest.raises(ValueError, match="at least 32"):
         TenantCipher(b"short")
+
+
+def test_a_key_file_must_be_a_small_regular_file(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="not a regular file"):
+        load_master_key("/dev/zero")
+    big = tmp_path / "big"
+    big.write_bytes(b"k" * (64 * 1024 + 1))
+    with pytest.raises(KeyFileError, match="not a key file"):
+        load_master_key(big)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        load_master_key("bad\0name")

@@ -32,9 +32,9 @@ import hashlib
 import importlib.util
 import os
 import secrets
+import stat
 import struct
 from collections import OrderedDict
-from pathlib import Path
 from threading import Lock
 from typing import Any
 
@@ -63,6 +63,7 @@ RAW, ENCODED = 0, 1
 ENVELOPE = struct.Struct("<4sBBH12s")
 TAG_BYTES = 16
 MASTER_KEY_MIN_BYTES = 32
+_KEY_FILE_MAX_BYTES = 64 * 1024
 _HKDF_SALT = b"lmprefetch.chunk-encryption.v1"
 _TENANT_PERSON = b"lmprefetch.tent"  # blake2b personalisation (at most 16 bytes)
 #: Tenant keys kept derived (HKDF is microseconds, AESGCM's key setup too; this bounds memory).
@@ -89,10 +90,22 @@ def load_master_key(path: str | os.PathLike[str], *, setting: str = "encryption_
             message starts with ``setting`` (the configuration field that named it).
     """
     try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        why = "not found" if isinstance(exc, FileNotFoundError) else exc.strerror or str(exc)
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a device or a pipe: no key
+                raise KeyFileError(
+                    f"{setting}: cannot read the key file {str(path)!r} (not a regular file)"
+                )
+            raw = f.read(_KEY_FILE_MAX_BYTES + 1)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, KeyFileError):
+            raise
+        why = "not found" if isinstance(exc, FileNotFoundError) else _reason(exc)
         raise KeyFileError(f"{setting}: cannot read the key file {str(path)!r} ({why})") from None
+    if len(raw) > _KEY_FILE_MAX_BYTES:
+        raise KeyFileError(
+            f"{setting}: the key file {str(path)!r} is larger than {_KEY_FILE_MAX_BYTES} bytes: "
+            "not a key file"
+        )
     key = raw.strip()
     if len(key) < MASTER_KEY_MIN_BYTES:
         raise KeyFileError(
@@ -100,6 +113,10 @@ def load_master_key(path: str | os.PathLike[str], *, setting: str = "encryption_
             f"{MASTER_KEY_MIN_BYTES} are needed (e.g. head -c 32 /dev/urandom > FILE)"
         )
     return key
+
+
+def _reason(exc: Exception) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def cryptography_missing() -> str | None:
