@@ -293,3 +293,23 @@ def test_a_stage_reads_chunks_written_with_any_codec_or_none() -> None:
     for blob in stored.values():
         with pytest.raises(CodecMiss):
             reader.decode_into(blob, too_small, key_name=key)
+
+
+@SETTINGS
+@given(
+    payload=st.binary(max_size=3000),
+    name=st.sampled_from(["none", "lossless", "bitround2", "fp8", "int8", "int4"]),
+    group=st.sampled_from([2, 4, 64]),
+    sealed=st.booleans(),
+)
+def test_stored_bytes_never_exceed_the_stated_bound(
+    payload: bytes, name: str, group: int, sealed: bool
+) -> None:
+    from lmprefetch.codec import TenantCipher
+
+    stage = ChunkStage(
+        get_codec(name, dtype="bfloat16", group=group),
+        TenantCipher(bytes(32)) if sealed else None,
+    )
+    stored = stage.encode(payload, key_name=b"k")
+    assert len(stored) <= stage.max_stored_bytes(len(payload))

@@ -29,7 +29,7 @@ import zstandard
 
 from .format import CorruptEncoding
 
-__all__ = ["decode_planes", "encode_planes"]
+__all__ = ["decode_planes", "encode_planes", "max_body_bytes"]
 
 LEVEL = 1
 #: A plane is stored compressed only when zstd saves at least this fraction of it.
@@ -63,6 +63,12 @@ def _scratch(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     if buf is None or buf.size < nbytes:
         buf = _local.scratch = np.empty(nbytes, dtype=np.uint8)
     return buf[:nbytes]
+
+
+def max_body_bytes(payload_bytes: int, itemsize: int) -> int:
+    """The largest lossless body of a payload of ``payload_bytes`` (every plane raw)."""
+    planes = itemsize if itemsize > 1 and payload_bytes % itemsize == 0 else 1
+    return _PLANES.size + planes * _PLANE.size + payload_bytes
 
 
 def encode_planes(payload: bytes | bytearray | memoryview, itemsize: int) -> bytes:

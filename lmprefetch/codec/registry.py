@@ -29,7 +29,15 @@ import importlib.util
 import re
 from dataclasses import dataclass
 
-from .format import DTYPE_IDS, CodecMiss, CorruptEncoding, UnknownEncoding, pack, unpack
+from .format import (
+    DTYPE_IDS,
+    HEADER,
+    CodecMiss,
+    CorruptEncoding,
+    UnknownEncoding,
+    pack,
+    unpack,
+)
 
 __all__ = [
     "CODEC_NAMES",
@@ -148,10 +156,20 @@ class Codec:
             body = lossless.encode_planes(lossy.bitround(data, self.dtype, param), itemsize)
         else:
             body = lossy.quantize(data, self.dtype, kind, group)
+        if body is not None and kind != "none" and len(body) > len(data):
+            body = None  # never larger than lossless (tiny groups): max_encoded_bytes holds
         if body is None:  # a lossy codec that cannot treat this payload
             kind, param, group = "lossless", 0, 0
             body = lossless.encode_planes(data, itemsize)
         return pack(kind, param, self.dtype, group, len(data), body)
+
+    def max_encoded_bytes(self, payload_bytes: int) -> int:
+        """The most bytes :meth:`encode` returns for a payload of ``payload_bytes`` (a tier
+        sizes its read buffers with it): the header, plus the lossless stage's plane table
+        around planes stored raw at worst."""
+        from .lossless import max_body_bytes
+
+        return HEADER.size + max_body_bytes(payload_bytes, DTYPE_IDS[self.dtype][1])
 
 
 def get_codec(name: str, *, dtype: str = "bytes", group: int = DEFAULT_GROUP) -> Codec:

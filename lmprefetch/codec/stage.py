@@ -24,7 +24,15 @@ from __future__ import annotations
 
 import threading
 
-from .encryption import ENCODED, RAW, DecryptionMiss, TenantCipher, is_sealed
+from .encryption import (
+    ENCODED,
+    ENVELOPE,
+    RAW,
+    TAG_BYTES,
+    DecryptionMiss,
+    TenantCipher,
+    is_sealed,
+)
 from .format import CodecMiss, is_encoded
 from .registry import Codec, decode_into
 
@@ -56,6 +64,17 @@ class ChunkStage:
     def passthrough(self) -> bool:
         """Stored bytes are the payload itself (codec ``none``, no cipher)."""
         return self.codec.name == "none" and self.cipher is None
+
+    def max_stored_bytes(self, payload_bytes: int) -> int:
+        """The most bytes :meth:`encode` stores for a payload of ``payload_bytes``: what a
+        tier's read buffer (a disk read, a Redis value, a Mooncake get) must hold."""
+        if self.codec.name == "none":
+            stored = payload_bytes
+        else:
+            stored = self.codec.max_encoded_bytes(payload_bytes)
+        if self.cipher is not None:
+            stored += ENVELOPE.size + TAG_BYTES
+        return stored
 
     def encode(
         self, payload: bytes | bytearray | memoryview, *, key_name: bytes, tenant: bytes = b""
