@@ -250,6 +250,7 @@ def rewritten(blob: bytes, **fields: int) -> bytes:
         ({"decoded": 10}, CorruptEncoding),  # the body decodes to another size
         ({"group": 0}, CorruptEncoding),
         ({"group": 3}, CorruptEncoding),  # int4 needs an even group
+        ({"group": 1 << 30}, CorruptEncoding),  # no 1 GiB of scratch for a 512-byte chunk
         ({"codec": 4}, CorruptEncoding),  # an int4 body read as int8
     ],
 )

