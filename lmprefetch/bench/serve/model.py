@@ -173,9 +173,9 @@ def english_corpus(directory: Path) -> tuple[int, ...]:
 
 
 def serving_flags(directory: Path) -> list[str]:
-    """vLLM's ``--load-format`` and ``--dtype`` for a model directory: its safetensors weights
-    in its own dtype, or dummy weights in float32 when it holds only a ``config.json``."""
+    """vLLM's ``--load-format`` and ``--dtype`` for a model directory: its safetensors weights,
+    or dummy weights when it holds only a ``config.json``; in its config's ``torch_dtype`` (the
+    dtype bench-serve names its keys with)."""
     config = json.loads((directory / "config.json").read_text())
-    if (directory / "model.safetensors").exists():
-        return ["--load-format", "safetensors", "--dtype", str(config.get("torch_dtype", "auto"))]
-    return ["--load-format", "dummy", "--dtype", "float32"]
+    weights = "safetensors" if (directory / "model.safetensors").exists() else "dummy"
+    return ["--load-format", weights, "--dtype", str(config.get("torch_dtype", "float32"))]
