@@ -133,12 +133,15 @@ def test_english_text_is_found_offline_or_falls_back(monkeypatch) -> None:  # ty
 
 # -- on the real model ------------------------------------------------------------------------
 @pytest.mark.trained
-def test_bench_codecs_on_the_trained_model_reproduces_the_baseline_through_the_harness() -> None:
+def test_bench_codecs_on_the_trained_model_reproduces_the_baseline_through_the_harness(
+    trained_model: Path,
+) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from lmprefetch.bench.codecs import run
 
     report = run(
+        model_dir=trained_model,
         codecs=["none", "lossless", "bitround3", "int4"],
         prefill=256,
         continuation=64,

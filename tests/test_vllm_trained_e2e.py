@@ -31,7 +31,7 @@ from lmprefetch.bench.serve.client import scrape_metrics  # noqa: E402
 from lmprefetch.bench.serve.model import english_corpus, kv_bytes_per_token  # noqa: E402
 from lmprefetch.bench.serve.procs import ManagedProcess, ProcessSet, free_port  # noqa: E402
 from lmprefetch.bench.serve.run import base_env, private_dirs, server_argv  # noqa: E402
-from lmprefetch.bench.trained import SMOLLM2_CONFIG, ensure_model  # noqa: E402
+from lmprefetch.bench.trained import SMOLLM2_CONFIG  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.trained, pytest.mark.slow]
 
@@ -130,9 +130,9 @@ async def serve_once(
 
 
 async def test_a_prompt_restored_from_disk_after_a_restart_gives_the_prefix_cache_hits_tokens(
-    tmp_path: Path,
+    tmp_path: Path, trained_model: Path
 ) -> None:
-    model = await trio.to_thread.run_sync(ensure_model)
+    model = trained_model
     corpus = english_corpus(model)
     prompt = list(corpus[: CHUNKS * CHUNK + 1])  # whole chunks plus the token to compute
     hit = CHUNKS * CHUNK
@@ -155,7 +155,7 @@ async def test_a_prompt_restored_from_disk_after_a_restart_gives_the_prefix_cach
 
 
 def test_bench_serve_with_the_trained_model_restores_english_documents_from_disk(
-    tmp_path: Path,
+    tmp_path: Path, trained_model: Path
 ) -> None:
     """``lmprefetch bench-serve --model trained``: English prompts on SmolLM2, every measured
     document of the disk scenario served from lmprefetch's disk after the restarts."""
