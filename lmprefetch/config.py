@@ -34,7 +34,9 @@ unset (an empty variable means unset); a further rule of one field is a function
 relates two fields is a line in :func:`_check_rules`.  Code that needs the value reads
 ``config.redis_threads``.
 
-Nothing here does I/O except :meth:`PrefetchConfig.from_file` (one read at start-up).
+Nothing here does I/O except :meth:`PrefetchConfig.from_file` (one read at start-up) and the
+check of ``encryption_key_file`` (the key file is read where the configuration is built, so that
+a missing or short key stops the start-up).
 """
 
 from __future__ import annotations
@@ -194,6 +196,25 @@ def _mooncake_segment(size: int) -> str | None:
             f"(16 MiB, Mooncake's least), got {size}"
         )
     return None
+
+
+def _codec_name(name: str) -> str | None:
+    # The name only (and that its libraries are installed); the dtype rule is in _check_rules.
+    from .codec.registry import codec_problem
+
+    return codec_problem(name)
+
+
+def _key_file(path: str) -> str | None:
+    # Read at start-up, where the configuration is built (a few bytes): a missing, unreadable or
+    # short key file must stop the start, not turn every later store into a miss.
+    from .codec.encryption import KeyFileError, cryptography_missing, load_master_key
+
+    try:
+        load_master_key(path)
+    except KeyFileError as exc:
+        return str(exc).partition(": ")[2]
+    return cryptography_missing()
 
 
 class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -494,6 +515,46 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = 1.0
 
+    # -- codecs and encryption of stored chunks (lmprefetch.codec) ----------------------
+    disk_codec: Annotated[
+        str,
+        Meta(
+            extra={"check": _codec_name},
+            description="How the disk tier encodes the chunks it writes: ``none`` (as they "
+            "are), ``lossless`` (byte planes + zstd), or a lossy codec a user opts into: "
+            "``bitround<N>`` (mantissas rounded to N bits, e.g. ``bitround3``), ``fp8``, "
+            "``int8``, ``int4`` (per-group scales).  Chunks written with another codec stay "
+            "readable.  Lossy codecs need a floating-point ``kv_dtype``; codecs other than "
+            "``none`` need the ``codecs`` extra.  See docs/codecs.md.",
+        ),
+    ] = "none"
+    redis_codec: Annotated[
+        str,
+        Meta(
+            extra={"check": _codec_name},
+            description="How the Redis tier encodes the chunks it writes (as ``disk_codec``).",
+        ),
+    ] = "none"
+    mooncake_codec: Annotated[
+        str,
+        Meta(
+            extra={"check": _codec_name},
+            description="How the Mooncake tier encodes the chunks it writes (as "
+            "``disk_codec``).",
+        ),
+    ] = "none"
+    encryption_key_file: Annotated[
+        _NonEmpty | None,
+        Meta(
+            extra={"path": True, "check": _key_file},
+            description="A file holding the operator's master key (at least 32 bytes, e.g. "
+            "``head -c 32 /dev/urandom``), read at start-up: chunks on disk, in Redis and in "
+            "Mooncake are then sealed with AES-256-GCM under a key per tenant (``cache_salt``, "
+            "LoRA adapter) derived from it, and chunks that do not authenticate are misses.  "
+            "Unset (``None``): no encryption.  Needs the ``encryption`` extra.",
+        ),
+    ] = None
+
     # -- transport --------------------------------------------------------------------
     socket_hwm: Annotated[
         int,
@@ -675,11 +736,21 @@ def _check_rules(c: PrefetchConfig) -> None:
         raise ValueError(
             f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}"
         )
+    for name in ("disk_codec", "redis_codec", "mooncake_codec"):
+        problem = _codec_for_dtype(getattr(c, name), c.kv_dtype)
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
     if c.redis_backoff_max_s < c.redis_backoff_initial_s:
         raise ValueError(
             f"redis_backoff_max_s: must be at least redis_backoff_initial_s "
             f"({c.redis_backoff_initial_s}), got {c.redis_backoff_max_s}"
         )
+
+
+def _codec_for_dtype(name: str, kv_dtype: str) -> str | None:
+    from .codec.registry import codec_problem
+
+    return codec_problem(name, kv_dtype)
 
 
 #: The fields of :class:`PrefetchConfig`, by name, read once at import: a declaration the

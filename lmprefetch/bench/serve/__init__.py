@@ -51,6 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .model import MODEL_CHOICES, choose_model
 from .options import DEFAULT_SCENARIOS, LINK_SCENARIOS, SCENARIO_NAMES, ServeBenchOptions
 
 __all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
@@ -124,6 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MS",
         help=f"the slow_remote scenarios' one-way delay (default {d.slow_link_delay_s * 1e3:g})",
     )
+    p.add_argument(
+        "--model",
+        choices=MODEL_CHOICES,
+        default="auto",
+        help="trained: SmolLM2-135M (built from a registry wheel into a cache) with English "
+        "prompts; random: a random-weight Llama with random token ids; auto (default): trained "
+        "where it can be built",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -137,6 +146,7 @@ def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
         "redis_server": args.redis_server,
         "seed": args.seed,
         "progress": not args.no_progress,
+        "model_kind": args.model,
     }
     for name in ("rounds", "kv_pool_tokens", "probes"):
         if getattr(args, name) is not None:
@@ -169,6 +179,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if _needs_private_netns(opts):
         _enter_private_netns(args)  # returns only where it cannot (the scenarios then say why)
+    served = choose_model(opts.model_kind)  # ValueError for --model trained: exit 2
+    if served.note:
+        print(f"lmprefetch bench-serve: {served.note}", file=sys.stderr)
+    opts = replace(
+        opts,
+        model=served.config,
+        model_kind=served.kind,
+        model_dir=None if served.directory is None else str(served.directory),
+        prompt_corpus=served.corpus,
+    )
+    opts.validate()
     # Only now: these need the vllm extra (httpx among it), which preflight checked.
     import trio
 

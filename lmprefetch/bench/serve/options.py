@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .model import BENCH_LLAMA, kv_bytes_per_token
+from .model import BENCH_LLAMA, MODEL_CHOICES, kv_bytes_per_token
 from .workloads import ChatSpec, LongDocSpec
 
 __all__ = [
@@ -175,6 +175,13 @@ class ServeBenchOptions:
     block_size: int = 32
     cpu_bytes: int = 1 * GiB
     model: dict[str, Any] = field(default_factory=lambda: dict(BENCH_LLAMA))
+    #: ``--model``: ``auto``, ``trained`` or ``random`` (:mod:`.model`); resolved by
+    #: :func:`.model.choose_model` into ``model``, ``model_dir`` and ``prompt_corpus``.
+    model_kind: str = "auto"
+    #: The built model's directory (``None``: the random model, written per run).
+    model_dir: str | None = None
+    #: Token ids of English text prompts are cut from (empty: random token ids).
+    prompt_corpus: tuple[int, ...] = ()
     seed: int = 0
     scenarios: tuple[str, ...] = DEFAULT_SCENARIOS
     python: str = sys.executable
@@ -247,6 +254,10 @@ class ServeBenchOptions:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name}: must be a positive number, got {value}")
+        if self.model_kind not in MODEL_CHOICES:
+            raise ValueError(
+                f"model: one of {', '.join(MODEL_CHOICES)}, got {self.model_kind!r}"
+            )
         unknown = [s for s in self.scenarios if s not in SCENARIO_NAMES]
         if unknown:
             raise ValueError(
@@ -284,6 +295,8 @@ class ServeBenchOptions:
             "block_size": self.block_size,
             "lmprefetch_cpu_bytes": self.cpu_bytes,
             "model": dict(self.model),
+            "model_kind": self.model_kind,
+            "prompts": "English text" if self.prompt_corpus else "random token ids",
             "seed": self.seed,
             "slow_link": {
                 "rate_bytes_per_s": self.slow_link_rate,
