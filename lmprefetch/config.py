@@ -67,6 +67,7 @@ __all__ = [
     "FieldSpec",
     "PrefetchConfig",
     "describe_fields",
+    "load_env",
     "parse_host_port",
 ]
 
@@ -550,6 +551,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for spec in _FIELDS.values():
             problem = spec.problem(getattr(self, spec.name))
             if problem is not None:
+                if spec.name == "cpu_bytes":  # its bound, 2, is only the floor of its rule
+                    problem = _cpu_bytes_problem(self) or problem
                 raise ValueError(f"{spec.name}: {problem}")
         _check_rules(self)
 
@@ -616,31 +619,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 ignored silently), or a value is invalid; the message names the field (or
                 the unknown variable) and says which variable or file set it.
         """
-        env = os.environ if environ is None else environ
-        config_var = prefix + "CONFIG"
-        by_var = {prefix + name.upper(): name for name in _FIELDS}
-        for var in sorted(env):
-            if var.startswith(prefix) and var != config_var and var not in by_var:
-                field = var[len(prefix) :].lower()
-                hint = _hint(field, prefix=prefix)
-                raise ValueError(
-                    f"{_shown(var)}: unknown variable: no PrefetchConfig field is called "
-                    f"{field!r}{hint}"
-                )
-        values: dict[str, Any] = {}
-        where: dict[str, str] = {}
-        if config_file is None:
-            config_file = env.get(config_var) or None
-        if config_file is not None:
-            values = _read_toml(config_file)
-            where = dict.fromkeys(values, f"in {_shown(str(config_file))}")
-        for var, name in by_var.items():
-            value = env.get(var)
-            if value is None:
-                continue
-            values[name] = None if (value == "" and _FIELDS[name].optional) else value
-            where[name] = f"from {_shown(var)}"
-        return _located(cls, values, where)
+        return load_env(cls, environ, prefix=prefix, config_file=config_file)[0]
 
     # -- derived ----------------------------------------------------------------------
     @property
@@ -676,11 +655,9 @@ def _check_rules(c: PrefetchConfig) -> None:
             f"chunk_bytes: in layerwise mode must be a multiple of num_layers "
             f"({c.num_layers}), got {c.chunk_bytes}"
         )
-    if c.cpu_bytes < 2 * c.chunk_bytes:
-        raise ValueError(
-            f"cpu_bytes: must hold at least two chunks of chunk_bytes ({c.chunk_bytes}), "
-            f"got {c.cpu_bytes}"
-        )
+    problem = _cpu_bytes_problem(c)
+    if problem is not None:
+        raise ValueError(f"cpu_bytes: {problem}")
     if c.disk_bytes < c.chunk_bytes:
         raise ValueError(
             f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}"
@@ -690,6 +667,17 @@ def _check_rules(c: PrefetchConfig) -> None:
             f"redis_backoff_max_s: must be at least redis_backoff_initial_s "
             f"({c.redis_backoff_initial_s}), got {c.redis_backoff_max_s}"
         )
+
+
+def _cpu_bytes_problem(c: PrefetchConfig) -> str | None:
+    """What breaks ``cpu_bytes``'s rule (two chunks of ``chunk_bytes``), or ``None`` where it
+    holds or cannot be judged (``chunk_bytes`` itself invalid, ``cpu_bytes`` not an int)."""
+    chunk, cpu = c.chunk_bytes, c.cpu_bytes
+    if _FIELDS["chunk_bytes"].problem(chunk) is not None or not _is_a(cpu, int):
+        return None
+    if cpu >= 2 * chunk:
+        return None
+    return f"must hold at least two chunks of chunk_bytes ({chunk}), got {cpu}"
 
 
 # -- the declarations, read ---------------------------------------------------------------------
@@ -946,6 +934,43 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ValueError(f"{_shown(str(path))}: [lmprefetch] must be a table")
     return table
+
+
+def load_env(
+    cls: type[PrefetchConfig],
+    environ: Mapping[str, str] | None = None,
+    *,
+    prefix: str = ENV_PREFIX,
+    config_file: str | os.PathLike[str] | None = None,
+) -> tuple[PrefetchConfig, dict[str, str]]:
+    """:meth:`PrefetchConfig.from_env`, and where each field that was set came from: field →
+    ``"in FILE"`` or ``"from LMPREFETCH_FIELD"`` (a variable wins over the file).  Fields
+    neither sets keep their defaults and are not in the mapping."""
+    env = os.environ if environ is None else environ
+    config_var = prefix + "CONFIG"
+    by_var = {prefix + name.upper(): name for name in _FIELDS}
+    for var in sorted(env):
+        if var.startswith(prefix) and var != config_var and var not in by_var:
+            field = var[len(prefix) :].lower()
+            hint = _hint(field, prefix=prefix)
+            raise ValueError(
+                f"{_shown(var)}: unknown variable: no PrefetchConfig field is called "
+                f"{field!r}{hint}"
+            )
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    if config_file is None:
+        config_file = env.get(config_var) or None
+    if config_file is not None:
+        values = _read_toml(config_file)
+        where = dict.fromkeys(values, f"in {_shown(str(config_file))}")
+    for var, name in by_var.items():
+        value = env.get(var)
+        if value is None:
+            continue
+        values[name] = None if (value == "" and _FIELDS[name].optional) else value
+        where[name] = f"from {_shown(var)}"
+    return _located(cls, values, where), where
 
 
 def _located(
