@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,7 @@ def test_every_error_is_one_line_whatever_was_typed(
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "lmprefetch: unrecognized arguments: --rank \\x1e (see lmprefetch --help)"
+        "lmprefetch bench: unrecognized arguments: --rank \\x1e (see lmprefetch bench --help)"
     ]
     cfg = tmp_path / "w.toml"
     cfg.write_text('"chunk\\nsize" = 4\n')
@@ -315,16 +316,37 @@ def test_ctrl_c_while_the_config_file_is_read_exits_130_without_a_traceback(
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
 
 
-def test_the_benchmarks_child_processes_end_quietly_on_ctrl_c() -> None:
-    """Ctrl-C reaches the whole process group: the benchmark's worker and echo processes
-    printed a traceback each while the command itself said "interrupted" once."""
-    from lmprefetch.bench import processes
+def test_the_benchmarks_child_processes_end_quietly() -> None:
+    """Ctrl-C reaches the whole process group, and a stopped command's children find their pipe
+    closed: the benchmark's worker and echo processes printed a traceback each while the
+    command itself said "interrupted" once."""
+    from lmprefetch.bench import disk, processes
 
     def interrupted() -> None:
         raise KeyboardInterrupt
 
-    with pytest.raises(SystemExit) as caught:
-        processes._quiet_on_ctrl_c(interrupted)()
-    assert caught.value.code == 130
-    for main in (processes.worker_main, processes.echo_main, processes.trio_echo_main):
-        assert main.__code__ is processes._quiet_on_ctrl_c(interrupted).__code__, main
+    def parent_gone() -> None:
+        raise EOFError
+
+    def exit_status(body: Callable[[], None]) -> object:
+        """``child_main(body)()``'s exit status, run in a thread (where it leaves this
+        process's signal handling alone)."""
+        codes: list[object] = []
+
+        def run() -> None:
+            try:
+                processes.child_main(body)()
+            except SystemExit as exc:
+                codes.append(exc.code)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(TIMEOUT_S)
+        return codes[0] if codes else None
+
+    assert exit_status(interrupted) == 130
+    assert exit_status(parent_gone) == 1
+    for main in (
+        processes.worker_main, processes.echo_main, processes.trio_echo_main, disk._burn,
+    ):  # fmt: skip
+        assert main.__code__ is processes.child_main(interrupted).__code__, main

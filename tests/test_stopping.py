@@ -1,0 +1,112 @@
+"""Every way of stopping a command: SIGINT or SIGTERM, to the process or to its whole group
+(Ctrl-C in a terminal, ``timeout``), at moments from the imports to mid-benchmark, for every
+subcommand, the console script and ``python -m lmprefetch`` (``tests/stopping.py`` runs them).
+
+Each case checks all three things a user sees: the command exits promptly, it says one line
+(``lmprefetch: interrupted`` / ``terminated``; a serving worker, that it stopped), and it leaves
+nothing behind: no file or directory in its temporary directory, no process it started.  The
+moment is a line the command printed (an import ending, a progress bar's phase, a log line),
+never a sleep.
+
+How promptly: the goal is 2 s, and ``python -m tests.stopping`` prints each case's time (the
+README's figure).  The test's own deadline, :data:`DEADLINE_S`, is far above it, so that a busy
+CI machine cannot fail it by being slow; a command that waits for a child (the 31-35 s that
+``kill -INT`` took mid-benchmark) or hangs still fails it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import stopping
+from .stopping import Case, cases, rendered, stop, unique
+
+#: Seconds from the signal to the exit past which a case fails (see the module docstring).
+DEADLINE_S = 20.0
+
+
+@pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c.name}: {c.how}")
+def test_stopped_at_once_with_one_line_and_nothing_left(case: Case, tmp_path: Path) -> None:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    outcome = stop(unique(case), tmpdir, exit_s=DEADLINE_S * 2)
+    shown = outcome.output[-4000:]
+    assert outcome.status == case.expected_status, shown
+    assert outcome.seconds < DEADLINE_S, f"{outcome.seconds:.1f} s to exit"
+    assert outcome.screen == [case.expected_line], shown
+    assert outcome.files == [], "left in the temporary directory"
+    assert outcome.processes == [], "processes left running"
+
+
+def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
+    """A command that prints a traceback, leaves a directory and a child, and exits late
+    fails every check (the harness reads the terminal, the directory and /proc)."""
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import os, signal, subprocess, sys, tempfile, time\n"
+        "tempfile.mkdtemp(prefix='left-')\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                         start_new_session=True)\n"
+        "signal.signal(signal.SIGINT, lambda *_: None)  # ignores the first Ctrl-C\n"
+        "print('ready', flush=True)\n"
+        "signal.pause()\n"
+        "raise RuntimeError('a traceback')\n"
+    )
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    case = Case("bad", [sys.executable, str(script)], r"ready", signal.SIGINT, True)
+    outcome = stop(case, tmpdir, exit_s=1.0)
+    assert outcome.status == 1 and outcome.seconds >= 0
+    assert "Traceback (most recent call last):" in outcome.screen
+    assert [f for f in outcome.files if f.startswith("left-")]
+    assert len(outcome.processes) == 1 and "time.sleep(600)" in outcome.processes[0]
+    problems = stopping.problems_of(case, outcome)
+    assert len(problems) == 4, problems  # status, printed, left files, left processes
+
+
+def test_a_terminal_shows_the_last_redraw_of_a_line() -> None:
+    text = (
+        "\r\x1b[2K[##..] 50%  phase\r\x1b[2K[###.] 75%  phase\r\x1b[2K"
+        "lmprefetch: interrupted\r\n"
+    )
+    assert rendered("import time: 1 | 2 | trio\r\n" + text) == ["lmprefetch: interrupted"]
+    assert rendered("\r\x1b[2K[#...] 25%") == ["[#...] 25%"]
+
+
+def test_a_signal_ignored_from_the_start_stays_ignored(tmp_path: Path) -> None:
+    """A command started with SIGINT ignored (``nohup``, a background job of a script) is not
+    stopped by one: whoever started it asked for that.  SIGTERM still stops it."""
+    code = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from lmprefetch import _stopping\n"
+        "with _stopping.handling():\n"
+        "    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert out.stdout == "ok\n", out.stderr
+
+
+def test_the_package_imports_nothing_heavy() -> None:
+    """The console script imports ``lmprefetch.cli`` before ``main`` takes charge of Ctrl-C:
+    that import must stay short (no Trio, pyzmq or msgspec), or a Ctrl-C then is a traceback."""
+    code = (
+        "import sys\n"
+        "import lmprefetch.cli\n"
+        "heavy = sorted(m for m in ('trio', 'zmq', 'msgspec', 'xxhash', 'lmprefetch.config')\n"
+        "               if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False, env=env)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
