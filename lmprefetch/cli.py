@@ -393,7 +393,8 @@ def _parse(parser: _Parser, argv: Sequence[str]) -> argparse.Namespace:
     command = next((a for a in argv if not a.startswith("-")), None)
     if command is not None and command not in parser.commands:
         close = difflib.get_close_matches(command, parser.commands, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}?" if close else f"one of {', '.join(parser.commands)}"
+        commands = ", ".join(parser.commands)
+        hint = f"did you mean {close[0]!r}?" if close else f"the commands: {commands}"
         parser.error(f"unknown command {command!r}; {hint}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:

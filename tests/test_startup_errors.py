@@ -207,6 +207,27 @@ def test_redis_url_without_the_redis_extra(tmp_path: Path, toml: Callable[[str],
     assert_one_line_exit_2(out, "redis_url", "lmprefetch[redis]")
 
 
+def test_torch_buffers_without_the_torch_extra(tmp_path: Path, toml: Callable[[str], str]) -> None:
+    """A 34-line traceback ending in ModuleNotFoundError, where redis_url without redis gives
+    a one-line install hint."""
+    path = toml('buffer_backend = "torch"\ncpu_bytes = 1048576\nchunk_bytes = 4096\n')
+    script = tmp_path / "no_torch.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if the torch extra were not installed\n"
+        "from lmprefetch.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), *worker_args("--config", path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert_one_line_exit_2(out, "buffer_backend", "lmprefetch[torch]")
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
