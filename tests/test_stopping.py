@@ -110,3 +110,25 @@ def test_the_package_imports_nothing_heavy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False, env=env)  # fmt: skip
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from tests.fuzz.targets import check_config_toml\n"
+        "check_config_toml(b'chunk_size = 4\\n')\n",
+        "from tests import schedules\n"
+        "schedules._disk_template(schedules.by_name(next(\n"
+        "    s.name for s in schedules.scenarios() if s.disk)))\n",
+    ],
+    ids=["fuzz targets", "schedule explorer"],
+)
+def test_the_suites_own_scratch_directories_go_with_its_process(code: str, tmp_path: Path) -> None:
+    """The suite left ``lmprefetch-fuzz-*`` and ``lmprefetch-schedules-*`` behind in the
+    system's temporary directory on every run."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False, env=env, cwd=root)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert list(tmp_path.iterdir()) == []
