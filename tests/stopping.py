@@ -16,8 +16,8 @@ times the exit.  Afterwards:
 * ``processes``: every process still alive (zombies aside) whose environment carries the
   run's variable: every descendant, whatever its process group or session.
 
-``python -m tests.stopping`` runs :data:`CASES` (what ``tests/test_stopping.py`` checks) and
-prints each case's exit time.
+``python -m tests.stopping`` runs :func:`cases` (what ``tests/test_stopping.py`` checks; with
+``--serve`` also :func:`serve_cases`) and prints each case's exit time.
 """
 
 from __future__ import annotations
@@ -302,6 +302,16 @@ def cases(script: Sequence[str] | None = None) -> list[Case]:
     return out
 
 
+def serve_cases(script: Sequence[str] | None = None) -> list[Case]:
+    """``lmprefetch bench-serve`` with vLLM servers running (it needs vLLM's CPU build): while
+    a server starts, and mid-round (the progress bar's count moves)."""
+    serve = [*(script or console_script()), "bench-serve", "--quick", "--scenarios", "apc"]
+    return [
+        Case("bench-serve, server starting", serve, r"starting server 1/1", signal.SIGINT, True),
+        Case("bench-serve, mid-round", serve, r"apc .*\] +[1-9]", signal.SIGTERM, False),
+    ]
+
+
 def unique(case: Case) -> Case:
     """``case`` with its ``{}`` placeholders (endpoint names) made unique to this run."""
     tag = uuid.uuid4().hex[:8]
@@ -319,12 +329,13 @@ def empty_directory() -> Iterator[Path]:
 
 
 def main() -> int:
-    """Run every case once and print its exit time (for the report); status 1 if one failed."""
+    """Run every case once and print its exit time (for the report); status 1 if one failed.
+    ``--serve``: bench-serve's too (vLLM's CPU build must be installed)."""
     failed = 0
     print(f"{'case':<36} {'signal':<24} {'exit s':>7}  result")
-    for case in cases():
+    for case in cases() + (serve_cases() if "--serve" in sys.argv else []):
         with empty_directory() as tmpdir:
-            outcome = stop(unique(case), tmpdir)
+            outcome = stop(unique(case), tmpdir, ready_s=900)
         problems = problems_of(case, outcome)
         failed += bool(problems)
         print(f"{case.name:<36} {case.how:<24} {outcome.seconds:7.2f}  "

@@ -25,23 +25,36 @@ from pathlib import Path
 import pytest
 
 from . import stopping
-from .stopping import Case, cases, rendered, stop, unique
+from .stopping import Case, cases, rendered, serve_cases, stop, unique
 
 #: Seconds from the signal to the exit past which a case fails (see the module docstring).
 DEADLINE_S = 20.0
 
 
-@pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c.name}: {c.how}")
-def test_stopped_at_once_with_one_line_and_nothing_left(case: Case, tmp_path: Path) -> None:
+def assert_stopped_at_once_with_one_line_and_nothing_left(case: Case, tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    outcome = stop(unique(case), tmpdir, exit_s=DEADLINE_S * 2)
+    outcome = stop(unique(case), tmpdir, ready_s=900, exit_s=DEADLINE_S * 2)
     shown = outcome.output[-4000:]
     assert outcome.status == case.expected_status, shown
     assert outcome.seconds < DEADLINE_S, f"{outcome.seconds:.1f} s to exit"
     assert outcome.screen == [case.expected_line], shown
     assert outcome.files == [], "left in the temporary directory"
     assert outcome.processes == [], "processes left running"
+
+
+@pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c.name}: {c.how}")
+def test_stopped_at_once_with_one_line_and_nothing_left(case: Case, tmp_path: Path) -> None:
+    assert_stopped_at_once_with_one_line_and_nothing_left(case, tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", serve_cases(), ids=lambda c: f"{c.name}: {c.how}")
+def test_bench_serve_stopped_with_its_vllm_servers(case: Case, tmp_path: Path) -> None:
+    """The vLLM servers (each in a session of its own) are stopped too: SIGINT, a short grace,
+    then SIGKILL to each server's whole group."""
+    pytest.importorskip("vllm")
+    assert_stopped_at_once_with_one_line_and_nothing_left(case, tmp_path)
 
 
 def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
