@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 #: The environment variable that marks every process of one run.
 MARK = "LMP_STOP_TEST"
@@ -46,6 +47,9 @@ MARK = "LMP_STOP_TEST"
 #: console script's own ``from lmprefetch.cli import main`` runs, and a Ctrl-C there is
 #: Python's (``python -m lmprefetch`` takes charge first: :data:`CLI_IMPORT`).
 IMPORTS = r"import time:.*\|\s+trio\r?\n"
+#: While the child processes a phase starts import what they run: they import pyzmq (the
+#: command itself did long before), with ``-X importtime`` passed on to them.
+CHILDREN_IMPORT = r"import time:.*\|\s+zmq\r?\n"
 #: While ``lmprefetch.cli`` itself is imported (its first import is argparse), which only
 #: ``python -m lmprefetch`` covers.
 CLI_IMPORT = r"import time:.*\|\s+argparse\r?\n"
@@ -189,7 +193,7 @@ def marked_processes(mark: str) -> list[str]:
 def _environment(mark: str, tmpdir: Path, moment: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPREFETCH_")}
     env.update({MARK: mark, "TMPDIR": str(tmpdir), "PYTHONUNBUFFERED": "1", "COLUMNS": "100"})
-    if moment in (IMPORTS, CLI_IMPORT):
+    if "import time:" in moment:
         env["PYTHONPROFILEIMPORTTIME"] = "1"
     return env
 
@@ -268,6 +272,13 @@ def cases(script: Sequence[str] | None = None) -> list[Case]:
         # lmprefetch bench, phase by phase (the progress bar names each).
         Case("bench, workers start", bench, r"starting \d+ workers", intr, True),
         Case("bench, workers start", bench, r"starting \d+ workers", term, True),
+        # Ctrl-C and timeout while the workers, then the transport's worker, still import.
+        Case("bench, workers importing", bench,
+             r"starting \d+ workers[\s\S]*" + CHILDREN_IMPORT, intr, True),
+        Case("bench, workers importing", bench,
+             r"starting \d+ workers[\s\S]*" + CHILDREN_IMPORT, term, True),
+        Case("bench, transport worker importing", bench,
+             r"round trips[\s\S]*" + CHILDREN_IMPORT, intr, True),
         Case("bench, workers store", bench, r"\] +[1-9]\d*% .*storing", intr, False),
         Case("bench, workers store", bench, r"\] +[1-9]\d*% .*storing", term, True),
         Case("bench, transport", bench, r"round trips", intr, False),
@@ -310,6 +321,19 @@ def serve_cases(script: Sequence[str] | None = None) -> list[Case]:
         Case("bench-serve, server starting", serve, r"starting server 1/1", signal.SIGINT, True),
         Case("bench-serve, mid-round", serve, r"apc .*\] +[1-9]", signal.SIGTERM, False),
     ]
+
+
+def report_signals(conn: Any) -> None:
+    """A child's entry point: send the parent the signals blocked as it starts, then those
+    blocked and SIGINT's and SIGTERM's handlers once :func:`child_signals` ran."""
+    from lmprefetch._stopping import child_signals
+
+    at_start = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ()))
+    child_signals()
+    after = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ()))
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    names = [h.name if isinstance(h, signal.Handlers) else h for h in handlers]
+    conn.send((at_start, after, names))
 
 
 def unique(case: Case) -> Case:

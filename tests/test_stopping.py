@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,32 @@ def test_bench_serve_stopped_with_its_vllm_servers(case: Case, tmp_path: Path) -
     then SIGKILL to each server's whole group."""
     pytest.importorskip("vllm")
     assert_stopped_at_once_with_one_line_and_nothing_left(case, tmp_path)
+
+
+def test_children_start_with_the_stop_signals_blocked_then_ignore_ctrl_c() -> None:
+    """A child stopped while it still imports printed a traceback (a Ctrl-C reaches the whole
+    group): it starts with SIGINT and SIGTERM blocked, and its entry point then ignores SIGINT
+    (the parent stops it) and lets SIGTERM end it."""
+    import multiprocessing as mp
+
+    from lmprefetch.bench.processes import start_process, stop_processes
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    procs: list[Any] = []
+    try:
+        with child:
+            start_process(ctx, stopping.report_signals, (child,), procs)
+        assert parent.poll(120)
+        at_start, after, handlers = parent.recv()
+    finally:
+        stop_processes(procs, grace_s=10.0)
+        parent.close()
+    assert {signal.SIGINT, signal.SIGTERM} <= set(at_start)
+    assert not {signal.SIGINT, signal.SIGTERM} & set(after)
+    assert handlers == ["SIG_IGN", "SIG_DFL"]
+    # And this process's own signal mask is as it was.
+    assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, ())
 
 
 def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
