@@ -184,15 +184,17 @@ def _worker(args: argparse.Namespace) -> int:
     except OSError as exc:  # the metrics server's bind, or the system refusing a resource
         raise _start_error(exc, metrics_host, args.metrics_port) from None
     try:
+        # The configuration in the middle: the endpoints stay at the end, where scripts read
+        # the ports a worker bound.
+        source = "--config" if args.config is not None else "$LMPREFETCH_CONFIG"
         msg = (
             f"lmprefetch worker rank {args.rank}/{args.world_size} serving {args.request_endpoint}"
+            f" ({configuration_text(config, where, source)})"
         )
         if runtime.metrics_port is not None:
             msg += f", metrics on {metrics_host}:{runtime.metrics_port}"
         if runtime.publisher is not None:
             msg += f", KV events on {runtime.publisher.endpoint}"
-        source = "--config" if args.config is not None else "$LMPREFETCH_CONFIG"
-        msg += f"; configuration: {configuration_text(config, where, source)}"
         print(_one_line(msg), flush=True)
         stop.wait()
     finally:
@@ -208,10 +210,10 @@ def _worker(args: argparse.Namespace) -> int:
 
 def configuration_text(config: PrefetchConfig, where: Mapping[str, str], file_option: str) -> str:
     """The fields that were set, each with its value and where it came from, for the worker's
-    start-up line: ``chunk_size=4 (--config w.toml), cpu_bytes=8192 (LMPREFETCH_CPU_BYTES); the
-    rest default``.  ``where`` is :func:`~lmprefetch.config.load_env`'s; ``file_option`` names
-    how the file was given (``--config`` or ``$LMPREFETCH_CONFIG``).  A password in a URL is
-    not shown."""
+    start-up line: ``chunk_size=4 from --config w.toml, cpu_bytes=8192 from
+    LMPREFETCH_CPU_BYTES, the rest default``.  ``where`` is
+    :func:`~lmprefetch.config.load_env`'s; ``file_option`` names how the file was given
+    (``--config`` or ``$LMPREFETCH_CONFIG``).  A password in a URL is not shown."""
     import json
     import re
 
@@ -223,10 +225,10 @@ def configuration_text(config: PrefetchConfig, where: Mapping[str, str], file_op
             shown = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", shown)
         kind, _, place = source.partition(" ")
         origin = f"{file_option} {place}" if kind == "in" else place
-        parts.append(f"{name}={shown} ({origin})")
+        parts.append(f"{name}={shown} from {origin}")
     if not parts:
-        return "every field its default"
-    return ", ".join(parts) + "; the rest default"
+        return "every setting its default"
+    return ", ".join(parts) + ", the rest default"
 
 
 def _bench(args: argparse.Namespace) -> int:

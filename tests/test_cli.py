@@ -59,13 +59,17 @@ def test_worker_serves_lookups_and_stops_on_a_signal(tmp_path: Path, signum: int
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()
         assert "serving" in line and "metrics" in line
-        # What won, the file or a variable, for each field that was set.
-        assert line.rstrip("\n").endswith(
-            f"; configuration: chunk_size=4 (--config {cfg_file}), chunk_bytes=32 "
-            f"(LMPREFETCH_CHUNK_BYTES), cpu_bytes=4096 (--config {cfg_file}), "
-            f"lookup_timeout_s=10.0 (--config {cfg_file}), claim_ttl_s=20.0 "
-            "(LMPREFETCH_CLAIM_TTL_S); the rest default"
+        # What won, the file or a variable, for each field that was set; the endpoints stay
+        # at the end of the line.
+        assert line.startswith(
+            f"lmprefetch worker rank 0/1 serving {req} (chunk_size=4 from --config {cfg_file}, "
+            "chunk_bytes=32 from LMPREFETCH_CHUNK_BYTES, "
+            f"cpu_bytes=4096 from --config {cfg_file}, "
+            f"lookup_timeout_s=10.0 from --config {cfg_file}, "
+            "claim_ttl_s=20.0 from LMPREFETCH_CLAIM_TTL_S, the rest default), "
+            "metrics on 127.0.0.1:"
         ), line
+        assert line.rstrip("\n").rsplit(":", 1)[1].isdigit(), line
         config = PrefetchConfig.from_file(cfg_file).replace(chunk_bytes=32)
         with LookupClient(config, [req], resp) as client:
             client.lookup("a", list(range(8)))
@@ -92,11 +96,11 @@ def test_the_start_up_line_names_the_file_as_given_and_hides_passwords() -> None
     where = {"redis_url": "in /etc/l.toml", "disk_path": "from LMPREFETCH_DISK_PATH"}
     text = configuration_text(config, where, "$LMPREFETCH_CONFIG")
     assert text == (
-        'redis_url="redis://user:***@cache:6379/0" ($LMPREFETCH_CONFIG /etc/l.toml), '
-        'disk_path="/d" (LMPREFETCH_DISK_PATH); the rest default'
+        'redis_url="redis://user:***@cache:6379/0" from $LMPREFETCH_CONFIG /etc/l.toml, '
+        'disk_path="/d" from LMPREFETCH_DISK_PATH, the rest default'
     )
     assert "s3cret" not in text
-    assert configuration_text(PrefetchConfig(), {}, "--config") == "every field its default"
+    assert configuration_text(PrefetchConfig(), {}, "--config") == "every setting its default"
 
 
 def test_a_mistyped_command_gets_the_closest_one(capsys: pytest.CaptureFixture[str]) -> None:
