@@ -48,9 +48,9 @@ __all__ = [
     "enter",
     "handling",
     "received",
+    "resource_tracker_stopped_at_exit",
     "run_trio",
     "spawning",
-    "stop_resource_tracker",
     "temporary_directory",
     "wakeup_fd",
 ]
@@ -294,16 +294,29 @@ def run_trio(async_fn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
     return outcome[0]
 
 
-def stop_resource_tracker() -> None:
-    """Stop ``multiprocessing``'s resource tracker, if this process started one.
+def _resource_tracker() -> Any:
+    module = sys.modules.get("multiprocessing.resource_tracker")
+    return getattr(module, "_resource_tracker", None)
 
-    Starting a process with the spawn method starts it, and it outlives the command by a
-    moment (it ends when it reads end-of-file on its pipe).  The command stops it before it
-    returns, so that when the command has exited none of the processes it made is left.
+
+@contextlib.contextmanager
+def resource_tracker_stopped_at_exit() -> Iterator[None]:
+    """At the end of the block, stop ``multiprocessing``'s resource tracker if the block
+    started it.
+
+    Starting a process with the spawn method starts the tracker, and it outlives the command
+    by a moment (it ends when it reads end-of-file on its pipe): the command stops it before
+    it returns, so that when it has exited none of the processes it made is left.  A tracker
+    that ran before the block (the command called as a function, in a process that uses
+    ``multiprocessing`` itself) is left alone.
     """
-    tracker_module = sys.modules.get("multiprocessing.resource_tracker")
-    tracker = getattr(tracker_module, "_resource_tracker", None)
-    stop = getattr(tracker, "_stop", None)
-    if stop is not None and getattr(tracker, "_pid", None) is not None:
-        with contextlib.suppress(OSError, ChildProcessError):
-            stop()
+    tracker = _resource_tracker()
+    running_before = getattr(tracker, "_pid", None) is not None
+    try:
+        yield
+    finally:
+        tracker = _resource_tracker()
+        stop = getattr(tracker, "_stop", None)
+        if not running_before and stop is not None and getattr(tracker, "_pid", None):
+            with contextlib.suppress(OSError, ChildProcessError):
+                stop()

@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line and no traceback, with every temporary file removed and every process the command
     started stopped (a worker that is serving stops cleanly instead: status 0).
     """
-    with _stopping.handling():
+    with _stopping.handling(), _stopping.resource_tracker_stopped_at_exit():
         try:
             args = _parse(build_parser(), sys.argv[1:] if argv is None else argv)
             import logging
@@ -366,8 +366,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args))
         except BaseException as exc:
             return _failed(exc)
-        finally:
-            _stopping.stop_resource_tracker()
 
 
 def _failed(exc: BaseException) -> int:

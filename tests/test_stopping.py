@@ -84,6 +84,28 @@ def test_children_start_with_the_stop_signals_blocked_then_ignore_ctrl_c() -> No
     assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, ())
 
 
+def test_the_command_stops_the_resource_tracker_it_started_and_only_that() -> None:
+    """The spawn method's resource tracker outlived the command by a moment (a child process
+    left); one that ran before (the command called as a function) is not the command's."""
+    code = (
+        "from multiprocessing import resource_tracker as rt\n"
+        "from lmprefetch._stopping import resource_tracker_stopped_at_exit as owned\n"
+        "with owned():\n"
+        "    rt.ensure_running()\n"
+        "    assert rt._resource_tracker._pid is not None\n"
+        "assert rt._resource_tracker._pid is None, 'the tracker it started still runs'\n"
+        "rt.ensure_running()\n"
+        "pid = rt._resource_tracker._pid\n"
+        "with owned():\n"
+        "    rt.ensure_running()\n"
+        "assert rt._resource_tracker._pid == pid, 'a tracker that ran before was stopped'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert out.stdout == "ok\n", out.stderr
+
+
 def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
     """A command that prints a traceback, leaves a directory and a child, and exits late
     fails every check (the harness reads the terminal, the directory and /proc)."""
