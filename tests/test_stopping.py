@@ -107,8 +107,8 @@ def test_the_command_stops_the_resource_tracker_it_started_and_only_that() -> No
 
 
 def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
-    """A command that prints a traceback, leaves a directory and a child, and exits late
-    fails every check (the harness reads the terminal, the directory and /proc)."""
+    """A command that prints a traceback, leaves a directory and a child, and exits with the
+    wrong status fails every check (the harness reads the terminal, the directory and /proc)."""
     script = tmp_path / "bad.py"
     script.write_text(
         "import os, signal, subprocess, sys, tempfile, time\n"
@@ -123,7 +123,7 @@ def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     case = Case("bad", [sys.executable, str(script)], r"ready", signal.SIGINT, True)
-    outcome = stop(case, tmpdir, exit_s=1.0)
+    outcome = stop(case, tmpdir, exit_s=DEADLINE_S)
     assert outcome.status == 1 and outcome.seconds >= 0
     assert "Traceback (most recent call last):" in outcome.screen
     assert [f for f in outcome.files if f.startswith("left-")]
