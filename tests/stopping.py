@@ -202,10 +202,26 @@ def stop(case: Case, tmpdir: Path, *, ready_s: float = 300.0, exit_s: float = 60
     """Run ``case``; see the module docstring.  ``ready_s``: how long the command may take to
     reach the moment; ``exit_s``: to exit after the signal (the outcome's ``status`` is
     ``None`` when it did not)."""
+    with _fifo() as fifo:
+        argv = [a.replace("{fifo}", str(fifo)) for a in case.argv]
+        return _stop(case, argv, tmpdir, ready_s, exit_s)
+
+
+@contextlib.contextmanager
+def _fifo() -> Iterator[Path]:
+    """A FIFO nobody writes (outside the command's temporary directory): a command that reads
+    it waits there, wherever the signal finds it; ``{fifo}`` in a case's command names it."""
+    with empty_directory() as directory:
+        path = directory / "never-written.toml"
+        os.mkfifo(path)
+        yield path
+
+
+def _stop(case: Case, argv: list[str], tmpdir: Path, ready_s: float, exit_s: float) -> Outcome:
     mark = uuid.uuid4().hex
     terminal = Terminal()
     proc = subprocess.Popen(
-        list(case.argv),
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=terminal.slave,
         stderr=terminal.slave,
@@ -266,9 +282,11 @@ def cases(script: Sequence[str] | None = None) -> list[Case]:
         Case("python -m, imports", [*PYTHON_M, "bench"], IMPORTS, intr, True),
         Case("python -m, its own import", [*PYTHON_M, "bench"], CLI_IMPORT, intr, True),
         Case("python -m, its own import", [*PYTHON_M, "bench"], CLI_IMPORT, term, False),
+        # (The worker then reads a config file nobody writes: still starting when the signal
+        # comes, however late.)
         Case("worker, imports", [*lmp, "worker", "--request-endpoint", "ipc://@x",
-                                 "--response-endpoint", "ipc://@y"], IMPORTS, term, True),
-        Case("bench-serve, imports", [*lmp, "bench-serve", "--quick"], IMPORTS, intr, False),
+                                 "--response-endpoint", "ipc://@y", "--config", "{fifo}"],
+             IMPORTS, term, True),
         # lmprefetch bench, phase by phase (the progress bar names each).
         Case("bench, workers start", bench, r"starting \d+ workers", intr, True),
         Case("bench, workers start", bench, r"starting \d+ workers", term, True),
@@ -314,10 +332,11 @@ def cases(script: Sequence[str] | None = None) -> list[Case]:
 
 
 def serve_cases(script: Sequence[str] | None = None) -> list[Case]:
-    """``lmprefetch bench-serve`` with vLLM servers running (it needs vLLM's CPU build): while
-    a server starts, and mid-round (the progress bar's count moves)."""
+    """``lmprefetch bench-serve`` (it needs vLLM's CPU build, or it stops at once, saying so):
+    while it imports, while a server starts, and mid-round (the progress bar's count moves)."""
     serve = [*(script or console_script()), "bench-serve", "--quick", "--scenarios", "apc"]
     return [
+        Case("bench-serve, imports", serve, IMPORTS, signal.SIGINT, False),
         Case("bench-serve, server starting", serve, r"starting server 1/1", signal.SIGINT, True),
         Case("bench-serve, mid-round", serve, r"apc .*\] +[1-9]", signal.SIGTERM, False),
     ]
