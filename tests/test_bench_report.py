@@ -3,11 +3,14 @@ baseline, and no peer figure appears unless it was measured in the same run."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
 import sys
 from typing import Any
+
+import pytest
 
 from lmprefetch.bench import engine as bench_engine
 from lmprefetch.bench.goals import Goal, Limit
@@ -350,3 +353,39 @@ def test_the_disk_figure_is_the_median_of_the_rounds_ratios() -> None:
     assert summarize_disk_probe([{}, {}]) == {}  # no disk tier: no figure
     r = _system_result(disk_probe={})
     assert math.isnan(next(g for g in goals(r) if g.key == "disk_prefetch_vs_verified_read").value)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_moves_through_every_phase_and_is_erased() -> None:
+    """It sat at "start 100 %" for seconds while the run went on: one bar for the whole run,
+    each phase its share, each step moving it; erased at the end whatever the end."""
+    from lmprefetch.bench.measure import Progress
+    from lmprefetch.bench.system import PHASES
+
+    out = _Terminal()
+    seen = []
+    with Progress(PHASES, enabled=True, stream=out) as progress:
+        for name in PHASES:
+            progress.phase(name, f"phase {name}", steps=4)
+            seen.append(progress.fraction)
+            for _ in range(4):
+                progress.step()
+                seen.append(progress.fraction)
+        assert progress.fraction == pytest.approx(1.0)
+    assert seen == sorted(seen) and len(set(seen)) == len(seen) - (len(PHASES) - 1)
+    text = out.getvalue()
+    for name in PHASES:  # each phase was drawn, with its label
+        assert f"phase {name}" in text
+    assert text.endswith("\r\x1b[2K")  # erased
+    line = Progress(PHASES, enabled=True, stream=_Terminal()).line(40)
+    assert len(line) < 40
+    # Not a terminal (a pipe, --json): nothing is drawn.
+    piped = io.StringIO()
+    with Progress(PHASES, enabled=True, stream=piped) as quiet:
+        quiet.phase("start", "x", steps=1)
+        quiet.step()
+    assert piped.getvalue() == ""
