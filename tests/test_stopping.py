@@ -115,10 +115,11 @@ def test_the_harness_sees_what_it_checks(tmp_path: Path) -> None:
         "tempfile.mkdtemp(prefix='left-')\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
         "                         start_new_session=True)\n"
-        "signal.signal(signal.SIGINT, lambda *_: None)  # ignores the first Ctrl-C\n"
+        "def fail(*_):\n"
+        "    raise RuntimeError('a traceback')\n"
+        "signal.signal(signal.SIGINT, fail)  # a traceback on Ctrl-C, exit status 1\n"
         "print('ready', flush=True)\n"
         "signal.pause()\n"
-        "raise RuntimeError('a traceback')\n"
     )
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
