@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -323,9 +324,11 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled and self.stream.isatty()
         total = sum(weights.values()) or 1.0
-        self._weights = {name: w / total for name, w in weights.items()}
-        self._before = 0.0  # the share of the phases done
-        self._share = 0.0  # the current phase's share
+        # Where each phase begins and ends, 0 to 1 (one sum, so that a phase's end is exactly
+        # the next one's beginning).
+        ends = list(itertools.accumulate(w / total for w in weights.values()))
+        self._spans = dict(zip(weights, zip([0.0, *ends], ends)))
+        self._span = (0.0, 0.0)
         self._steps = 1
         self._done = 0
         self._label = ""
@@ -336,14 +339,15 @@ class Progress:
     @property
     def fraction(self) -> float:
         """How much of the run is done, 0 to 1."""
-        return min(1.0, self._before + self._share * min(self._done, self._steps) / self._steps)
+        begin, end = self._span
+        if self._done >= self._steps:
+            return end
+        return begin + (end - begin) * self._done / self._steps
 
     def phase(self, name: str, label: str, steps: int = 1) -> None:
         """Begin phase ``name`` (one of the weights' keys; the phases before it count as done),
         shown as ``label``, in ``steps`` steps."""
-        names = list(self._weights)
-        self._before = sum(self._weights[n] for n in names[: names.index(name)])
-        self._share = self._weights[name]
+        self._span = self._spans[name]
         self._steps, self._done, self._label = max(1, steps), 0, label
         self._draw(force=True)
 
