@@ -5,15 +5,19 @@ cannot: it imports ``lmprefetch.cli`` first), so a Ctrl-C or a SIGTERM from the 
 ends it with one line.
 """
 
+import signal
 import sys
 
-from . import _stopping
+try:
+    from . import _stopping
 
-with _stopping.handling():
-    try:
+    with _stopping.handling(restore=False):
         from .cli import main
-    except _stopping.Stopped as exc:
-        print(f"lmprefetch: {exc.what}", file=sys.stderr)
-        sys.exit(128 + exc.signum)
-    status = main()
+
+        status = main()
+except KeyboardInterrupt as exc:  # while Python imports the command (Stopped is one too)
+    signum = getattr(exc, "signum", signal.SIGINT)
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    print(f"lmprefetch: {what}", file=sys.stderr)
+    status = 128 + signum
 sys.exit(status)

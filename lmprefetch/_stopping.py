@@ -123,11 +123,18 @@ def _on_signal(signum: int, _frame: object) -> None:
 
 
 @contextlib.contextmanager
-def handling() -> Iterator[None]:
+def handling(*, restore: bool = True) -> Iterator[None]:
     """SIGINT and SIGTERM stop the command (see the module docstring) while the block runs.
 
     Installed only in the main thread (elsewhere Python cannot), and not for a signal this
-    process was started with ignored; the previous handlers are put back at the end.
+    process was started with ignored.  A signal can come while the handlers are being
+    installed or put back: a caller catches :class:`Stopped` around the ``with`` statement,
+    not only inside it.
+
+    Args:
+        restore: at the end, put the previous handlers back (the command called as a
+            function); ``False``: ignore both signals from then on (the process is about to
+            exit, its clean-up done: a signal now must not print a traceback).
     """
     if threading.current_thread() is not threading.main_thread() or _state.installed:
         yield
@@ -145,7 +152,7 @@ def handling() -> Iterator[None]:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if restore else signal.SIG_IGN)
         os.close(_state.wake_r)
         os.close(_state.wake_w)
         _state.wake_r = _state.wake_w = -1

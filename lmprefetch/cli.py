@@ -354,8 +354,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     line and no traceback, with every temporary file removed and every process the command
     started stopped (a worker that is serving stops cleanly instead: status 0).
     """
-    with _stopping.handling(), _stopping.resource_tracker_stopped_at_exit():
-        try:
+    # Called as the command (no argv), the handlers stay until the process exits; called as a
+    # function, the caller's are put back.  A signal may come while they are installed or put
+    # back: caught here too.
+    try:
+        with (
+            _stopping.handling(restore=argv is not None),
+            _stopping.resource_tracker_stopped_at_exit(),
+        ):
             args = _parse(build_parser(), sys.argv[1:] if argv is None else argv)
             import logging
 
@@ -364,8 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 format="%(asctime)s %(name)s %(levelname)s %(message)s",
             )
             return int(args.func(args))
-        except BaseException as exc:
-            return _failed(exc)
+    except BaseException as exc:
+        return _failed(exc)
 
 
 def _failed(exc: BaseException) -> int:
