@@ -84,6 +84,29 @@ def test_children_start_with_the_stop_signals_blocked_then_ignore_ctrl_c() -> No
     assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, ())
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_as_the_handlers_are_installed_is_one_line_too(signum: int) -> None:
+    """``python -m lmprefetch`` got a Ctrl-C as main() entered its with statement: outside
+    its try, a traceback.  Here the signal comes exactly then; and after the command's clean-up
+    (the handlers are not put back but the signals ignored) another prints nothing."""
+    code = (
+        "import contextlib, os, sys\n"
+        "from lmprefetch import _stopping, cli\n"
+        "@contextlib.contextmanager\n"
+        "def signalled():\n"
+        f"    os.kill(os.getpid(), {int(signum)})  # as the with statement is entered\n"
+        "    yield\n"
+        "_stopping.resource_tracker_stopped_at_exit = signalled\n"
+        "status = cli.main()\n"
+        f"os.kill(os.getpid(), {int(signum)})  # the command is done: ignored\n"
+        "sys.exit(status)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "bench"], capture_output=True, text=True,
+                         timeout=120, check=False)  # fmt: skip
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    assert (out.returncode, out.stderr) == (128 + signum, f"lmprefetch: {what}\n")
+
+
 def test_the_command_stops_the_resource_tracker_it_started_and_only_that() -> None:
     """The spawn method's resource tracker outlived the command by a moment (a child process
     left); one that ran before (the command called as a function) is not the command's."""
