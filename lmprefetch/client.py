@@ -33,6 +33,9 @@ Threads: :meth:`lookup`, :meth:`cancel`, :meth:`forget`, :meth:`stats` and :meth
 called from any thread.  The bridge thread, its sockets and how answers are recorded live in
 :mod:`lmprefetch.bridge`; the client owns its own ``zmq.Context`` (through the bridge) and
 closing it terminates only that (D19).
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
@@ -43,11 +46,20 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from .bridge import Bridge, Cleanup, Entry, Request, ResultTable, Stop
+from ._stats import as_dict, snapshot
+from .bridge import Bridge, Cleanup, ClientCounters, Entry, Request, ResultTable, Stop
 from .config import PrefetchConfig
 from .transport import check_endpoint
 
-__all__ = ["LookupClient", "LookupClientError"]
+__all__ = ["ClientStatistics", "LookupClient", "LookupClientError"]
+
+
+class ClientStatistics(ClientCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of a client's counters (see :class:`~lmprefetch.bridge.ClientCounters`), and
+    the lookups awaiting answers now."""
+
+    pending: int = 0
+
 
 logger = logging.getLogger("lmprefetch.client")
 
@@ -180,7 +192,7 @@ class LookupClient:
             seq = e.seq if e is not None else table.last_seq.get(lookup_id, 0)
             if seq:
                 table.remember_seq(lookup_id, seq)
-            table.counters["cancels"] += 1
+            table.counters.cancels += 1
             table.post(Cleanup(lookup_id, seq))
             self._cond.notify_all()
 
@@ -253,17 +265,16 @@ class LookupClient:
         with self._lock:
             return [item for split in e.tier_tokens.values() for item in split]
 
-    def stats(self) -> dict[str, int]:
-        """Counters: ``submitted``, ``answered``, ``timeouts``, ``cancels``,
-        ``stale_answers_dropped`` (for an unknown, older, answered or timed-out lookup),
-        ``duplicate_answers`` (a rank answered twice), ``malformed_answers``,
-        ``sends_dropped`` (a worker's queue was at its high-water mark), ``hash_errors``
-        (unhashable prompts, answered 0) and ``pending`` (lookups awaiting answers).
-        """
+    def statistics(self) -> ClientStatistics:
+        """A snapshot of the client's counters (see :class:`~lmprefetch.bridge.ClientCounters`)
+        and the lookups awaiting answers now."""
         with self._lock:
-            out = dict(self._table.counters)
-            out["pending"] = sum(1 for e in self._entries.values() if e.result is None)
-        return out
+            pending = sum(1 for e in self._entries.values() if e.result is None)
+            return snapshot(ClientStatistics, self._table.counters, pending=pending)
+
+    def stats(self) -> dict[str, int]:
+        """:meth:`statistics` as a dict."""
+        return as_dict(self.statistics())
 
     @property
     def response_endpoint(self) -> str:
@@ -344,7 +355,7 @@ class LookupClient:
             e = Entry(seq, now + self._timeout_s, self._expected)
             e.submitted_at = now
             self._entries[lookup_id] = e
-            self._table.counters["submitted"] += 1
+            self._table.counters.submitted += 1
             cmd = Request(
                 lookup_id=lookup_id,
                 seq=seq,
@@ -375,7 +386,7 @@ class LookupClient:
             self._cond.notify_all()
             if self._closed or self._entries.get(lookup_id) is not e:
                 return 0
-            self._table.counters["timeouts"] += 1
+            self._table.counters.timeouts += 1
             answered = len(e.answers)
             self._table.post(Cleanup(lookup_id, e.seq))
         logger.warning(

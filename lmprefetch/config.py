@@ -11,7 +11,8 @@ Sizes are in bytes (``*_bytes``), durations in seconds (``*_s``).
 
 **One declaration per field.**  Each field states its type, bounds and meaning in one place,
 its annotation, e.g. ``Annotated[int, Meta(ge=1, le=4096, description="...")]``.  Everything else
-is derived from that declaration by :func:`describe_fields`: the checks (type, bounds, allowed
+is derived from that declaration by :func:`describe_fields` (the machinery is in
+:mod:`lmprefetch.config_fields`): the checks (type, bounds, allowed
 names, text rules), the parsing of TOML values and environment variables, the variable's name
 (``LMPREFETCH_<FIELD>``), and the configuration reference in the documentation (type, default,
 allowed values, unit, meaning).  A declaration the checks cannot be derived from (a number
@@ -38,18 +39,29 @@ Nothing here does I/O except :meth:`PrefetchConfig.from_file` (one read at start
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
-import msgspec.inspect
 from msgspec import Meta
+
+from .config_fields import (
+    ENV_PREFIX,
+    FieldSpec,
+    GiB,
+    KiB,
+    MiB,
+    PiB,
+    TiB,
+    close_name,
+    describe_struct,
+    located,
+    shown,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,14 +83,6 @@ __all__ = [
     "parse_host_port",
 ]
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-TiB = 1024 * GiB
-PiB = 1024 * TiB
-
-#: The prefix of the environment variables :meth:`PrefetchConfig.from_env` reads.
-ENV_PREFIX = "LMPREFETCH_"
 #: Hash functions :class:`~lmprefetch.hashing.ChunkHasher` knows.
 HASH_ALGORITHMS = ("blake2b", "sha256")
 #: KV dtypes a key may name (the name only travels in keys; payloads are opaque bytes).
@@ -105,21 +109,6 @@ class ConfigFileError(OSError, ValueError):
     def __str__(self) -> str:
         return str(self.strerror)
 
-
-# -- what a declaration may say -----------------------------------------------------------------
-# Bounds and lengths are msgspec's own ``Meta`` constraints (``ge``, ``gt``, ``le``, ``lt``,
-# ``multiple_of``, ``min_length``, ``max_length``, ``pattern``), so msgspec enforces them too
-# when it decodes a config; the meaning is ``Meta(description=...)``.  What msgspec has no word
-# for goes into ``Meta(extra={...})`` under these keys:
-#
-# * ``unit``: the unit of a number whose name does not end in ``_bytes`` or ``_s``;
-# * ``one_of``: the values a text field may take;
-# * ``path``: a file-system path, which may be any text but NUL (os.fsencode writes lone
-#   surrogates back as the bytes they came from); other text must be valid UTF-8, because it
-#   is written into keys, URLs and commands;
-# * ``check``: a further rule of this one field, a function of the value returning what is
-#   wrong with it (a phrase like the others: "must ..., got <value>"), or ``None``.
-_EXTRA_KEYS = frozenset({"unit", "one_of", "path", "check"})
 
 #: The longest duration any ``*_s`` field may have (a year): past it a typo is more likely than
 #: intent, and deadlines stay well inside every clock's range.
@@ -576,7 +565,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for name, value in data.items():
             spec = _FIELDS.get(name) if isinstance(name, str) else None
             if spec is None:
-                raise ValueError(f"{_shown(name)}: unknown PrefetchConfig field{_hint(name)}")
+                hint = close_name(name, _FIELDS)
+                raise ValueError(f"{shown(name)}: unknown PrefetchConfig field{hint}")
             values[name] = spec.parse(value)
         return cls(**values)
 
@@ -589,9 +579,9 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 the field, then the file), or it cannot be read: then it is a
                 :class:`ConfigFileError`, both an ``OSError`` and a ``ValueError``.
         """
-        table = _read_toml(path)
-        where = f"in {_shown(str(path))}"
-        return _located(cls, table, dict.fromkeys(table, where))
+        table = read_toml(path)
+        where = f"in {shown(str(path))}"
+        return located(cls.from_dict, table, dict.fromkeys(table, where))
 
     @classmethod
     def from_env(
@@ -647,6 +637,43 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return msgspec.structs.asdict(self)
 
 
+def load_env(
+    cls: type[PrefetchConfig],
+    environ: Mapping[str, str] | None = None,
+    *,
+    prefix: str = ENV_PREFIX,
+    config_file: str | os.PathLike[str] | None = None,
+) -> tuple[PrefetchConfig, dict[str, str]]:
+    """:meth:`PrefetchConfig.from_env`, and where each field that was set came from: field →
+    ``"in FILE"`` or ``"from LMPREFETCH_FIELD"`` (a variable wins over the file).  Fields
+    neither sets keep their defaults and are not in the mapping."""
+    env = os.environ if environ is None else environ
+    config_var = prefix + "CONFIG"
+    by_var = {prefix + name.upper(): name for name in _FIELDS}
+    for var in sorted(env):
+        if var.startswith(prefix) and var != config_var and var not in by_var:
+            field = var[len(prefix) :].lower()
+            hint = close_name(field, _FIELDS, prefix=prefix)
+            raise ValueError(
+                f"{shown(var)}: unknown variable: no PrefetchConfig field is called "
+                f"{field!r}{hint}"
+            )
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    if config_file is None:
+        config_file = env.get(config_var) or None
+    if config_file is not None:
+        values = read_toml(config_file)
+        where = dict.fromkeys(values, f"in {shown(str(config_file))}")
+    for var, name in by_var.items():
+        value = env.get(var)
+        if value is None:
+            continue
+        values[name] = None if (value == "" and _FIELDS[name].optional) else value
+        where[name] = f"from {shown(var)}"
+    return located(cls.from_dict, values, where), where
+
+
 def _check_rules(c: PrefetchConfig) -> None:
     """The rules that relate two fields (each field's own rules are in its declaration).  The
     message starts with the field to change."""
@@ -673,242 +700,29 @@ def _cpu_bytes_problem(c: PrefetchConfig) -> str | None:
     """What breaks ``cpu_bytes``'s rule (two chunks of ``chunk_bytes``), or ``None`` where it
     holds or cannot be judged (``chunk_bytes`` itself invalid, ``cpu_bytes`` not an int)."""
     chunk, cpu = c.chunk_bytes, c.cpu_bytes
-    if _FIELDS["chunk_bytes"].problem(chunk) is not None or not _is_a(cpu, int):
-        return None
-    if cpu >= 2 * chunk:
+    valid_chunk = _FIELDS["chunk_bytes"].problem(chunk) is None
+    if not valid_chunk or isinstance(cpu, bool) or not isinstance(cpu, int) or cpu >= 2 * chunk:
         return None
     return f"must hold at least two chunks of chunk_bytes ({chunk}), got {cpu}"
 
 
-# -- the declarations, read ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class FieldSpec:
-    """One field of a config class as its declaration states it (see :func:`describe_fields`).
-
-    Everything that checks, parses or documents a field reads it from here.
-    """
-
-    name: str
-    #: ``int``, ``float``, ``bool`` or ``str`` (a ``float`` field also takes an ``int``).
-    type: type
-    #: ``None`` is allowed (and means "off").
-    optional: bool
-    default: Any
-    #: What the field means (``Meta(description=...)``), in reStructuredText.
-    description: str
-    #: ``bytes``, ``seconds``, or ``extra["unit"]``; ``""`` for flags, names and paths.
-    unit: str
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    multiple_of: float | None = None
-    min_length: int | None = None
-    max_length: int | None = None
-    pattern: str | None = None
-    one_of: tuple[str, ...] | None = None
-    #: A file-system path: any text but NUL (other text must be valid UTF-8).
-    path: bool = False
-    check: Callable[[Any], str | None] | None = None
-
-    @property
-    def type_name(self) -> str:
-        """The type as a person writes it: ``int``, ``str | None``."""
-        return self.type.__name__ + (" | None" if self.optional else "")
-
-    @property
-    def env_var(self) -> str:
-        """The environment variable :meth:`PrefetchConfig.from_env` reads for this field."""
-        return ENV_PREFIX + self.name.upper()
-
-    def bounds_text(self) -> str:
-        """The declared bounds in words (``at least 1 and at most 4096 layers``), or ``""``."""
-        bounds = [
-            (words, bound)
-            for words, bound in (
-                ("at least", self.ge),
-                ("more than", self.gt),
-                ("at most", self.le),
-                ("less than", self.lt),
-                ("a multiple of", self.multiple_of),
-            )
-            if bound is not None
-        ]
-        return " and ".join(
-            f"{words} {_amount(bound, self.unit, with_unit=i == len(bounds) - 1)}"
-            for i, (words, bound) in enumerate(bounds)
-        )
-
-    def parse(self, value: Any) -> Any:
-        """``value`` as this field's type: from TOML, or from text (``"256"``, ``"true"``).
-
-        Only the type is checked here; the value's rules are checked when the config is built.
-
-        Raises:
-            ValueError: the value cannot be read as this type; the message names the field.
-        """
-        if isinstance(value, str) and not self.path and not _is_utf8(value):
-            # Lone surrogates: an environment variable that is not UTF-8.  msgspec would fail
-            # on them with an error that names no field.
-            raise ValueError(f"{self.name}: must be valid UTF-8 text, got {value!r}")
-        target: Any = self.type | None if self.optional else self.type
-        try:
-            return msgspec.convert(value, target, strict=False)
-        except msgspec.ValidationError as exc:
-            reason = str(exc)  # "Expected `int`, got `str`", or "Number out of range"
-            why = "" if reason.startswith("Expected") else f" ({reason[:1].lower()}{reason[1:]})"
-            raise ValueError(
-                f"{self.name}: expected {self.type_name}, got {type(value).__name__} "
-                f"{_short(value)}{why}"
-            ) from None
-
-    def problem(self, value: object) -> str | None:
-        """What is wrong with ``value`` for this field (a phrase such as ``must be at least 1,
-        got 0``), or ``None`` if it is a valid value."""
-        if value is None:
-            return None if self.optional else f"expected {self.type_name}, got None"
-        if not _is_a(value, self.type):
-            return f"expected {self.type_name}, got {type(value).__name__} {_short(value)}"
-        if isinstance(value, int | float) and not self._within_bounds(value):
-            return f"must be {self.bounds_text()}, got {value!r}"
-        if isinstance(value, str):
-            problem = self._text_problem(value)
-            if problem is not None:
-                return problem
-        return None if self.check is None else self.check(value)
-
-    def _within_bounds(self, value: float) -> bool:
-        # ``not value >= bound`` rather than ``value < bound``: NaN fails every bound.
-        return not (
-            (self.ge is not None and not value >= self.ge)
-            or (self.gt is not None and not value > self.gt)
-            or (self.le is not None and not value <= self.le)
-            or (self.lt is not None and not value < self.lt)
-            or (self.multiple_of is not None and value % self.multiple_of != 0)
-        )
-
-    def _text_problem(self, text: str) -> str | None:
-        if self.path:
-            if "\x00" in text:
-                return f"must not contain a NUL character, got {text!r}"
-        elif not _is_utf8(text):
-            return f"must be valid UTF-8 text, got {text!r}"
-        if self.min_length is not None and len(text) < self.min_length:
-            if self.min_length == 1:
-                return f"must not be empty, got {text!r}"
-            return f"must be at least {self.min_length} characters long, got {text!r}"
-        if self.max_length is not None and len(text) > self.max_length:
-            return f"must be at most {self.max_length} characters long, got {_short(text)}"
-        if self.pattern is not None:
-            import re
-
-            if re.search(self.pattern, text) is None:
-                return f"must match the pattern {self.pattern!r}, got {text!r}"
-        if self.one_of is not None and text not in self.one_of:
-            return f"must be one of {self.one_of}, got {text!r}"
-        return None
-
-
-_TYPES: dict[type, type] = {
-    msgspec.inspect.IntType: int,
-    msgspec.inspect.FloatType: float,
-    msgspec.inspect.BoolType: bool,
-    msgspec.inspect.StrType: str,
-}
+#: The fields of :class:`PrefetchConfig`, by name, read once at import: a declaration the
+#: checks cannot be derived from fails here, before any config is built.
+_FIELDS: dict[str, FieldSpec] = {spec.name: spec for spec in describe_struct(PrefetchConfig)}
 
 
 def describe_fields(cls: type[msgspec.Struct] | None = None) -> tuple[FieldSpec, ...]:
     """Every field of ``cls`` (default: :class:`PrefetchConfig`) as its declaration states it,
-    in declaration order.
-
-    Reads the fields' annotations through :func:`msgspec.inspect.type_info`, so it sees what
-    msgspec sees: ``Meta`` constraints and descriptions, merged across nested ``Annotated``.
+    in declaration order (see :func:`~lmprefetch.config_fields.describe_struct`).
 
     Raises:
-        TypeError: a declaration that the checks and the documentation cannot be derived from:
-            a field without a default or a description, a number without both a lower and an
-            upper bound or without a unit, a type other than ``int``, ``float``, ``bool`` or
-            ``str`` (each optionally ``| None``), or an unknown ``Meta(extra=...)`` key.  The
-            message names the field and says what to declare.
+        TypeError: a declaration that the checks and the documentation cannot be derived
+            from; the message names the field and says what to declare.
     """
-    if cls is None:
-        return tuple(_FIELDS.values())
-    info = msgspec.inspect.type_info(cls)
-    assert isinstance(info, msgspec.inspect.StructType)
-    return tuple(_describe(field) for field in info.fields)
+    return tuple(_FIELDS.values()) if cls is None else describe_struct(cls)
 
 
-def _describe(field: msgspec.inspect.Field) -> FieldSpec:
-    name = field.name
-    kind, description, extra = field.type, "", dict[str, Any]()
-    optional = False
-    while True:  # Annotated (Metadata) and ``| None`` (a union with None), in any nesting
-        if isinstance(kind, msgspec.inspect.Metadata):
-            description = (kind.extra_json_schema or {}).get("description", description)
-            extra |= kind.extra or {}
-            kind = kind.type
-        elif isinstance(kind, msgspec.inspect.UnionType):
-            others = [t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType)]
-            if len(others) != 1:
-                raise TypeError(f"{name}: a field is one type, optionally `| None`")
-            optional, kind = True, others[0]
-        else:
-            break
-    if type(kind) not in _TYPES:
-        raise TypeError(f"{name}: a field is an int, float, bool or str (optionally `| None`)")
-    base = _TYPES[type(kind)]
-    if field.default is msgspec.NODEFAULT:
-        raise TypeError(f"{name}: every field needs a default")
-    if not description.strip():
-        raise TypeError(
-            f"{name}: no description; declare what it means: Annotated[{base.__name__}, "
-            "Meta(description=...)]"
-        )
-    unknown = set(extra) - _EXTRA_KEYS
-    if unknown:
-        raise TypeError(f"{name}: unknown Meta(extra=...) keys {sorted(unknown)}")
-    unit = str(extra.get("unit", ""))
-    if not unit and base in (int, float):
-        unit = "bytes" if name.endswith("_bytes") else "seconds" if name.endswith("_s") else ""
-    constraints = {
-        attr: getattr(kind, attr, None)
-        for attr in ("ge", "gt", "le", "lt", "multiple_of", "min_length", "max_length", "pattern")
-    }
-    if base in (int, float):
-        if constraints["ge"] is None and constraints["gt"] is None:
-            raise TypeError(f"{name}: a number needs a lower bound: Meta(ge=...) or Meta(gt=...)")
-        if constraints["le"] is None and constraints["lt"] is None:
-            raise TypeError(
-                f"{name}: a number needs an upper bound: Meta(le=...) or Meta(lt=...); far "
-                "beyond any real deployment, low enough that a typo is an error"
-            )
-        if not unit:
-            raise TypeError(
-                f"{name}: a number needs a unit: name it *_bytes or *_s, or declare "
-                'Meta(extra={"unit": ...})'
-            )
-    one_of = extra.get("one_of")
-    return FieldSpec(
-        name=name,
-        type=base,
-        optional=optional,
-        default=field.default,
-        description=" ".join(description.split()),
-        unit=unit,
-        one_of=tuple(one_of) if one_of is not None else None,
-        path=bool(extra.get("path", False)),
-        check=extra.get("check"),
-        **constraints,
-    )
-
-
-#: The fields of :class:`PrefetchConfig`, by name, read once at import: a declaration the
-#: checks cannot be derived from fails here, before any config is built.
-_FIELDS: dict[str, FieldSpec] = {spec.name: spec for spec in describe_fields(PrefetchConfig)}
-
-
-# -- loading helpers ----------------------------------------------------------------------------
-def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The table of fields in a TOML file: its top level, or its ``[lmprefetch]`` table."""
     try:
         raw = Path(path).read_bytes()
@@ -919,123 +733,18 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             what = "is a directory, not a config file"
         else:
             what = f"cannot read the config file ({exc.strerror})"
-        raise ConfigFileError(exc.errno or 0, f"{_shown(str(path))}: {what}") from None
+        raise ConfigFileError(exc.errno or 0, f"{shown(str(path))}: {what}") from None
     except ValueError as exc:  # a NUL, or a surrogate the file system cannot encode
-        raise ValueError(f"{_shown(str(path))}: not a usable file name ({exc})") from None
+        raise ValueError(f"{shown(str(path))}: not a usable file name ({exc})") from None
     try:
         doc = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{_shown(str(path))}: not a valid TOML file: {exc}") from None
+        raise ValueError(f"{shown(str(path))}: not a valid TOML file: {exc}") from None
     except RecursionError:  # tomllib is recursive: arrays or tables nested ~500 deep
         raise ValueError(
-            f"{_shown(str(path))}: not a valid TOML file: values nested too deeply"
+            f"{shown(str(path))}: not a valid TOML file: values nested too deeply"
         ) from None
     table = doc.get("lmprefetch", doc)
     if not isinstance(table, dict):
-        raise ValueError(f"{_shown(str(path))}: [lmprefetch] must be a table")
+        raise ValueError(f"{shown(str(path))}: [lmprefetch] must be a table")
     return table
-
-
-def load_env(
-    cls: type[PrefetchConfig],
-    environ: Mapping[str, str] | None = None,
-    *,
-    prefix: str = ENV_PREFIX,
-    config_file: str | os.PathLike[str] | None = None,
-) -> tuple[PrefetchConfig, dict[str, str]]:
-    """:meth:`PrefetchConfig.from_env`, and where each field that was set came from: field →
-    ``"in FILE"`` or ``"from LMPREFETCH_FIELD"`` (a variable wins over the file).  Fields
-    neither sets keep their defaults and are not in the mapping."""
-    env = os.environ if environ is None else environ
-    config_var = prefix + "CONFIG"
-    by_var = {prefix + name.upper(): name for name in _FIELDS}
-    for var in sorted(env):
-        if var.startswith(prefix) and var != config_var and var not in by_var:
-            field = var[len(prefix) :].lower()
-            hint = _hint(field, prefix=prefix)
-            raise ValueError(
-                f"{_shown(var)}: unknown variable: no PrefetchConfig field is called "
-                f"{field!r}{hint}"
-            )
-    values: dict[str, Any] = {}
-    where: dict[str, str] = {}
-    if config_file is None:
-        config_file = env.get(config_var) or None
-    if config_file is not None:
-        values = _read_toml(config_file)
-        where = dict.fromkeys(values, f"in {_shown(str(config_file))}")
-    for var, name in by_var.items():
-        value = env.get(var)
-        if value is None:
-            continue
-        values[name] = None if (value == "" and _FIELDS[name].optional) else value
-        where[name] = f"from {_shown(var)}"
-    return _located(cls, values, where), where
-
-
-def _located(
-    cls: type[PrefetchConfig], values: Mapping[str, Any], where: Mapping[str, str]
-) -> PrefetchConfig:
-    """``cls.from_dict(values)``, with a bad value's message saying where it was set:
-    ``chunk_size: must be ..., got 0 (from LMPREFETCH_CHUNK_SIZE)``."""
-    try:
-        return cls.from_dict(values)
-    except ValueError as exc:
-        name = str(exc).partition(": ")[0]
-        if name in where:
-            raise ValueError(f"{exc} ({where[name]})") from None
-        raise
-
-
-def _hint(name: object, *, prefix: str = "") -> str:
-    """``; did you mean 'chunk_size'?`` for a near miss of a field's name, else ``""``."""
-    if not isinstance(name, str):
-        return ""
-    close = difflib.get_close_matches(name.lower(), _FIELDS, n=1, cutoff=0.75)
-    if not close:
-        return ""
-    return f"; did you mean {prefix + close[0].upper() if prefix else repr(close[0])}?"
-
-
-def _shown(name: object) -> str:
-    """A name as an error message starts with it: as is if it is printable text, else its
-    ``repr`` (so that a message is always one line)."""
-    return name if isinstance(name, str) and name.isprintable() and name else repr(name)
-
-
-def _short(value: object) -> str:
-    """``repr(value)``, cut to a length that fits in a one-line message."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:76] + " ..."
-
-
-def _amount(value: float, unit: str, *, with_unit: bool = True) -> str:
-    """A bound in words: ``4096 layers``, ``4 GiB (4294967296 bytes)``; just the number if not
-    ``with_unit`` (the last of several bounds says the unit for them all)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if unit == "bytes" and value >= KiB:
-        for suffix, size in (("PiB", PiB), ("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-            if value % size == 0:
-                return f"{value // size} {suffix} ({value} bytes)"
-    if not with_unit or not unit:
-        return f"{value}"
-    if unit == "seconds" and value >= 86400 and value % 86400 == 0:
-        return f"{value} seconds ({value // 86400} days)"
-    return f"{value} {unit}"
-
-
-def _is_a(value: object, kind: type) -> bool:
-    if isinstance(value, bool):
-        return kind is bool
-    if kind is float:
-        return isinstance(value, int | float)
-    return isinstance(value, kind)
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -5,7 +5,7 @@ vLLM's KV events: ``BlockStored`` when a block becomes available on some medium,
 when it goes, ``AllBlocksCleared`` when a publisher forgets everything.  lmprefetch tells its
 routers about its own tiers the same way, so an existing subscriber reads its stream unchanged:
 
-* the **schema** below mirrors ``vllm.distributed.kv_events`` (vLLM 0.32) field for field, with
+* the **schema** below mirrors ``vllm.distributed.kv_events`` (vLLM 0.34) field for field, with
   the same msgspec settings, so the msgpack bytes decode with vLLM's own ``KVEventBatch``;
 * the **tracker** (:class:`KVEventTracker`) listens to the tiers (each tier calls
   :meth:`KVEventTracker.stored` and :meth:`KVEventTracker.removed` where its index changes) and
@@ -42,6 +42,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
+from ._stats import snapshot
 from ._sync import RepeatedEvent
 from .keys import ChunkKey, KeyMaker
 
@@ -58,6 +59,7 @@ __all__ = [
     "EventMode",
     "KVEvent",
     "KVEventBatch",
+    "KVEventCounters",
     "KVEventStatistics",
     "KVEventTracker",
     "RankEventMerger",
@@ -98,7 +100,7 @@ def tier_medium(tier_name: str) -> tuple[str, str | None]:
     return _TIER_MEDIA.get(tier_name, (tier_name.upper(), None))
 
 
-# -- the schema (vLLM 0.32's vllm/distributed/kv_events.py) ---------------------------------
+# -- the schema (vLLM 0.34's vllm/distributed/kv_events.py; older releases lack some fields) ------
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the events: a msgpack map tagged ``"type"`` = the class name."""
 
@@ -125,6 +127,10 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    #: vLLM 0.33+: the tokens after each block that its hash covers (lookahead hashing, for
+    #: EAGLE drafters).  lmprefetch's chunks are keyed by their own tokens only, so it never
+    #: sets this (see ``supports_lookahead_block_hashes`` in docs/vllm.md).
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -214,15 +220,21 @@ class ChunkBlocks(msgspec.Struct, frozen=True, gc=False):
 
 
 # -- the tracker ---------------------------------------------------------------------------
-class KVEventStatistics(msgspec.Struct, frozen=True, gc=False):
+class KVEventCounters(msgspec.Struct, gc=False):
     """The events a tracker emitted (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``),
-    dropped because ``kv_events_max_pending`` were waiting, and waiting now."""
+    and dropped because ``kv_events_max_pending`` were waiting."""
 
-    stored: int
-    removed: int
-    cleared: int
-    dropped: int
-    pending: int
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    dropped: int = 0
+
+
+class KVEventStatistics(KVEventCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of a tracker's counters (see :class:`KVEventCounters`), and the events
+    waiting now."""
+
+    pending: int = 0
 
 
 class KVEventTracker:
@@ -277,7 +289,7 @@ class KVEventTracker:
         self._blocks: dict[int, ChunkBlocks] = {}
         self._orphans: OrderedDict[int, None] = OrderedDict()
         self._warned = False
-        self._stored = self._removed = self._cleared = self._dropped = 0
+        self._counters = KVEventCounters()
 
     # -- what tiers call (the Trio thread) ----------------------------------------------
     def stored(self, tier: str, key: ChunkKey) -> None:
@@ -313,7 +325,7 @@ class KVEventTracker:
         hashes = self._announced.pop(slot, None)
         if hashes is not None:
             medium, locality = tier_medium(tier)
-            self._removed += 1
+            self._counters.removed += 1
             self._emit(BlockRemoved(list(hashes), medium, locality=locality, ownership=OWNERSHIP))
         refs = self._refs[h] - 1
         if refs:
@@ -341,7 +353,7 @@ class KVEventTracker:
     def clear_all(self) -> None:
         """Emit ``AllBlocksCleared`` (and forget what was announced: nothing is now)."""
         self._announced.clear()
-        self._cleared += 1
+        self._counters.cleared += 1
         self._emit(AllBlocksCleared())
 
     # -- what consumers call (any thread) -------------------------------------------------
@@ -361,13 +373,7 @@ class KVEventTracker:
         return len(self._queue)
 
     def statistics(self) -> KVEventStatistics:
-        return KVEventStatistics(
-            stored=self._stored,
-            removed=self._removed,
-            cleared=self._cleared,
-            dropped=self._dropped,
-            pending=len(self._queue),
-        )
+        return snapshot(KVEventStatistics, self._counters, pending=len(self._queue))
 
     # -- internals -----------------------------------------------------------------------
     def _is_mine(self, key: ChunkKey) -> bool:
@@ -393,7 +399,7 @@ class KVEventTracker:
             return
         medium, locality = tier_medium(tier)
         self._announced[slot] = blocks.block_hashes
-        self._stored += 1
+        self._counters.stored += 1
         self._emit(
             BlockStored(
                 list(blocks.block_hashes),
@@ -417,7 +423,7 @@ class KVEventTracker:
 
     def _emit(self, event: KVEvent) -> None:
         if len(self._queue) >= self._max_pending:
-            self._dropped += 1
+            self._counters.dropped += 1
             if not self._warned:
                 self._warned = True
                 log.warning(

@@ -18,6 +18,9 @@ tokens as it loads chunks.  This limiter hands out *weights*:
 The checkpoint discipline copies :meth:`trio.CapacityLimiter.acquire_on_behalf_of`: a
 cancellation checkpoint first, then either a ``cancel_shielded_checkpoint`` after an immediate
 grant (a granted weight is never lost to a late ``Cancelled``) or a park in line.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """A lookup's record and its states: the one lifecycle every lookup follows.
 
 :class:`_Lookup` is what :class:`~lmprefetch.prefetch.Engine` keeps per lookup, shared between
-the lookup's task (if it needs one), ``claim``, ``cancel`` and the expiry of unclaimed results.
-It is the only code that changes a lookup's state or what it owns, and every change is one of
-the transitions in its docstring's table (the table the documentation shows).  :class:`_Lookups`
-is the engine's table of records: the current record of each id, how many are in each state,
-the expiry queue, and the lookup counters.
+the lookup's I/O (:mod:`lmprefetch.lookup_io`), ``claim``, ``cancel`` and the expiry of
+unclaimed results.  It is the only code that changes a lookup's state or what it owns, and
+every change is one of the transitions in its docstring's table (the table the documentation
+shows).  :class:`_Lookups` is the engine's table of records: the current record of each id,
+how many are in each state, the expiry queue, and the lookup counters
+(:class:`LookupCounters`), which only the table changes: on a record's transition, or when the
+lookup's I/O tells it what it decided (its ``note_*`` methods).
 
 Cancellation: nothing here awaits except :meth:`_Lookups.expire_held` (the engine's expiry task)
 and :meth:`_Lookups.wait_quiet`; every transition is synchronous, so ``cancel`` and a claim
@@ -24,11 +26,13 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 import trio
 
+from ._stats import snapshot
+
 if TYPE_CHECKING:
     from .keys import ChunkKey
     from .memory import Buffer
 
-__all__ = ["LookupState", "LookupStatistics"]
+__all__ = ["LookupCounters", "LookupState", "LookupStatistics"]
 
 log = logging.getLogger("lmprefetch.engine")
 
@@ -60,7 +64,9 @@ _LOADING, _CANCELLED, _HELD, _CLAIMED, _DONE = (
 )
 
 #: The state table as data: ``(from, event, to)``; ``None`` is "before the record exists".
-#: tests/test_lookup_states.py keeps it equal to the table in :class:`_Lookup`'s docstring.
+#: ``tests/test_schedules.py::test_the_state_table_is_the_docstrings`` keeps it equal to the
+#: table in :class:`_Lookup`'s docstring, and ``tests/test_docs.py`` to the documentation's
+#: diagram.
 TRANSITIONS: Final = frozenset(
     {
         (None, "start", _LOADING),
@@ -75,64 +81,44 @@ TRANSITIONS: Final = frozenset(
 )
 
 
-class LookupStatistics(msgspec.Struct, frozen=True, gc=False):
-    """The lookup counters of one engine (every count since it opened), and the lookups in
-    flight and held now."""
+class LookupCounters(msgspec.Struct, gc=False):
+    """The lookup counters of one engine: every count since it opened.  The live counters are
+    one instance that only the engine's table of lookups (:class:`_Lookups`) changes; a
+    snapshot is a :class:`LookupStatistics`."""
 
     #: Lookups started.
-    started: int
+    started: int = 0
     #: Answers above 0, and below or at 0.
-    hits: int
-    misses: int
+    hits: int = 0
+    misses: int = 0
     #: Tokens answered as cached, summed over hits.
-    hit_tokens: int
+    hit_tokens: int = 0
     #: Held results claimed, cancelled (in flight or held), and released unclaimed.
-    claimed: int
-    cancelled: int
-    expired: int
+    claimed: int = 0
+    cancelled: int = 0
+    expired: int = 0
     #: Lookups that failed on a bug, or whose answer callback raised (each is logged).
-    failed: int
+    failed: int = 0
     #: Requests whose hashes and offsets make no sense (answered 0), and requests whose
     #: deadline had passed on arrival (answered 0).
-    malformed: int
-    deadline_expired: int
+    malformed: int = 0
+    deadline_expired: int = 0
     #: The load policy's decisions on lookups that found a hit past the skipped chunks: the
-    #: whole hit loaded, a shorter prefix loaded, nothing loaded (``never`` counts every
-    #: lookup here); and lookups whose loads the deadline cut short (``load_deadline_s`` or
-    #: ``lookup_timeout_s``), answering the prefix loaded by then.
-    policy_loaded: int
-    policy_truncated: int
-    policy_skipped: int
-    deadline_cut: int
+    #: whole hit loaded, a shorter prefix loaded, nothing loaded (a policy that loads nothing,
+    #: as ``never``, counts every lookup here); and lookups whose loads the deadline cut short
+    #: (``load_deadline_s`` or ``lookup_timeout_s``), answering the prefix loaded by then.
+    policy_loaded: int = 0
+    policy_truncated: int = 0
+    policy_skipped: int = 0
+    deadline_cut: int = 0
+
+
+class LookupStatistics(LookupCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of one engine's lookup counters, and the lookups in flight and held now."""
+
     #: Lookups loading (or unwinding after a cancel) and holding a result, now.
-    inflight: int
-    held: int
-
-
-class _Counters:
-    __slots__ = (
-        "cancelled",
-        "claimed",
-        "deadline_cut",
-        "deadline_expired",
-        "expired",
-        "failed",
-        "hit_tokens",
-        "hits",
-        "malformed",
-        "misses",
-        "policy_loaded",
-        "policy_skipped",
-        "policy_truncated",
-        "started",
-    )
-
-    def __init__(self) -> None:
-        self.started = self.hits = self.misses = self.hit_tokens = 0
-        self.claimed = self.cancelled = self.expired = 0
-        self.failed = self.malformed = self.deadline_expired = 0
-        self.policy_loaded = self.policy_truncated = self.policy_skipped = 0
-        self.deadline_cut = 0
+    inflight: int = 0
+    held: int = 0
 
 
 class _Lookup:
@@ -207,7 +193,7 @@ class _Lookup:
         self.scope: trio.CancelScope | None = None
         self._ended: trio.Event | None = None  # made by whoever waits for the task to end
         #: The hit tokens each tier served, in prefix order (skipped chunks not counted):
-        #: ``((tier name, tokens), ...)``, set before a ``hold``.
+        #: ``((tier name, tokens), ...)``, set by ``hold``.
         self.tier_tokens: tuple[tuple[str, int], ...] = ()
 
     def __repr__(self) -> str:
@@ -226,8 +212,14 @@ class _Lookup:
         self.scope = trio.CancelScope()
         return self.scope
 
-    def hold(self, loaded: list[tuple[ChunkKey, Buffer]], hit_tokens: int) -> bool:
-        """LOADING → HELD: take ownership of ``loaded`` (not empty) and answer ``hit_tokens``.
+    def hold(
+        self,
+        loaded: list[tuple[ChunkKey, Buffer]],
+        hit_tokens: int,
+        tier_tokens: tuple[tuple[str, int], ...],
+    ) -> bool:
+        """LOADING → HELD: take ownership of ``loaded`` (not empty) and answer ``hit_tokens``,
+        of which ``tier_tokens`` says which tier served how many (see :attr:`tier_tokens`).
 
         Once CANCELLED, ``loaded`` is released at once and ``False`` returned: the lookup
         answers 0 when its task ends (:meth:`end`)."""
@@ -235,6 +227,7 @@ class _Lookup:
             _release(loaded)
             return False
         self.loaded = loaded
+        self.tier_tokens = tier_tokens
         self._move("hold", _HELD)
         self._table._hold(self)
         self._give_answer(hit_tokens)
@@ -292,20 +285,12 @@ class _Lookup:
 
     def _give_answer(self, hit_tokens: int) -> None:
         self.answer = hit_tokens
-        counters = self._table.counters
         try:
             self._on_answer(hit_tokens)
         except Exception:  # a broken callback must not break the engine, but it is a bug
             log.exception("answer callback for lookup %s failed", self.lookup_id)
-            counters.failed += 1
-        if hit_tokens > 0:
-            counters.hits += 1
-            counters.hit_tokens += hit_tokens
-        else:
-            counters.misses += 1
-        hook = self._table.on_lookup_done
-        if hook is not None:
-            hook(hit_tokens, trio.current_time() - self.started)
+            self._table.note_failed()
+        self._table._answered(self, hit_tokens)
 
 
 def _release(loaded: list[tuple[ChunkKey, Buffer]]) -> None:
@@ -315,8 +300,10 @@ def _release(loaded: list[tuple[ChunkKey, Buffer]]) -> None:
 
 class _Lookups:
     """The engine's lookups: the current record of each id, the count in each state, the
-    expiry queue of held results, and the counters.  Only :class:`_Lookup` changes what is in
-    it (through ``_moved`` and ``_hold``) and its counters.
+    expiry queue of held results, and the counters.  What is in it changes only when a record
+    starts (:meth:`start`) or makes a transition (``_moved``, ``_hold``, ``_answered``, called
+    by :class:`_Lookup`); the counters change there and in the ``note_*`` methods, which the
+    lookup's I/O calls to say what it decided, and nowhere else.
 
     Args:
         claim_ttl_s: how long a held result waits for its claim.
@@ -325,7 +312,8 @@ class _Lookups:
     def __init__(self, claim_ttl_s: float) -> None:
         self.claim_ttl_s = claim_ttl_s
         self.by_id: dict[str, _Lookup] = {}
-        self.counters = _Counters()
+        #: The live counters (read them; only this table changes them).
+        self.counters = LookupCounters()
         self.inflight = 0  # LOADING or CANCELLED
         self.held = 0
         #: Called with (hit_tokens, seconds since the lookup started) after every answer.
@@ -352,9 +340,6 @@ class _Lookups:
             self.observer(rec, None, "start", _LOADING)
         return rec
 
-    def get(self, lookup_id: str) -> _Lookup | None:
-        return self.by_id.get(lookup_id)
-
     # -- called by the records --------------------------------------------------------------
     def _moved(self, rec: _Lookup, frm: LookupState, event: str, to: LookupState) -> None:
         if frm is _HELD:
@@ -380,6 +365,17 @@ class _Lookups:
         if self._quiet and not (self.inflight or self.held):
             self._quiet.unpark_all()
 
+    def _answered(self, rec: _Lookup, hit_tokens: int) -> None:
+        counters = self.counters
+        if hit_tokens > 0:
+            counters.hits += 1
+            counters.hit_tokens += hit_tokens
+        else:
+            counters.misses += 1
+        hook = self.on_lookup_done
+        if hook is not None:
+            hook(hit_tokens, trio.current_time() - rec.started)
+
     def _hold(self, rec: _Lookup) -> None:
         """Queue a held result's expiry (``claim_ttl_s`` from now)."""
         expires = trio.current_time() + self.claim_ttl_s
@@ -394,6 +390,36 @@ class _Lookups:
             kept = [entry for entry in queue if entry[1].state is _HELD]
             self._expiries = deque(kept)
             self._expiries_compact_at = max(_EXPIRIES_COMPACT_MIN, len(kept))
+
+    # -- what the lookup's I/O decided --------------------------------------------------------
+    def note_malformed(self) -> None:
+        """A request that makes no sense (answered 0, or dropped by a front end)."""
+        self.counters.malformed += 1
+
+    def note_deadline_expired(self) -> None:
+        """A request whose deadline had passed on arrival (answered 0)."""
+        self.counters.deadline_expired += 1
+
+    def note_failed(self) -> None:
+        """A lookup failed on a bug, or its answer callback raised (logged where it happened)."""
+        self.counters.failed += 1
+
+    def note_decision(self, hit_chunks: int, load_chunks: int) -> None:
+        """The load policy chose to load ``load_chunks`` of ``hit_chunks`` chunks (nothing is
+        counted without a hit)."""
+        counters = self.counters
+        if not hit_chunks:
+            return
+        if load_chunks >= hit_chunks:
+            counters.policy_loaded += 1
+        elif load_chunks:
+            counters.policy_truncated += 1
+        else:
+            counters.policy_skipped += 1
+
+    def note_deadline_cut(self) -> None:
+        """The deadline cut a lookup's loads (or a probe that might have found more)."""
+        self.counters.deadline_cut += 1
 
     # -- the engine's side --------------------------------------------------------------------
     def cancel_all(self) -> None:
@@ -421,22 +447,4 @@ class _Lookups:
             await self._quiet.park()
 
     def statistics(self) -> LookupStatistics:
-        c = self.counters
-        return LookupStatistics(
-            started=c.started,
-            hits=c.hits,
-            misses=c.misses,
-            hit_tokens=c.hit_tokens,
-            claimed=c.claimed,
-            cancelled=c.cancelled,
-            expired=c.expired,
-            failed=c.failed,
-            malformed=c.malformed,
-            deadline_expired=c.deadline_expired,
-            policy_loaded=c.policy_loaded,
-            policy_truncated=c.policy_truncated,
-            policy_skipped=c.policy_skipped,
-            deadline_cut=c.deadline_cut,
-            inflight=self.inflight,
-            held=self.held,
-        )
+        return snapshot(LookupStatistics, self.counters, inflight=self.inflight, held=self.held)

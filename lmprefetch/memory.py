@@ -19,6 +19,9 @@ thread (a model step leaving a claim block) as well as from the Trio thread.
 Cancellation: nothing here awaits, so nothing here can be cancelled.  Allocation and release
 are synchronous, which is what lets a ``finally`` block or an exit-stack callback release a
 buffer even while its task is being cancelled.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -10,12 +10,15 @@ benchmarks) do not collide.
 The HTTP server runs in prometheus-client's own thread; a scrape reads the engine's stats
 through :meth:`WorkerRuntime.statistics`, so it never touches engine state from another
 thread.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,12 +26,13 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from .prefetch import Engine
-    from .runtime import WorkerRuntime, WorkerStatistics
+    from .worker_statistics import WorkerStatistics
 
 __all__ = [
     "LATENCY_BUCKETS_S",
     "RANK_LABELS",
     "MetricsServer",
+    "MetricsSource",
     "WorkerMetrics",
     "start_metrics_server",
 ]
@@ -203,6 +207,22 @@ class WorkerMetrics:
         self.latency.observe(seconds)
 
 
+T = TypeVar("T")
+
+
+class MetricsSource(Protocol):
+    """What the metrics server needs of a worker (a
+    :class:`~lmprefetch.runtime.WorkerRuntime` is one): its engine, its statistics from any
+    thread, and a way to run a function on the engine's loop."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    def statistics(self) -> WorkerStatistics: ...
+
+    def call(self, func: Callable[..., T], *args: object) -> T: ...
+
+
 class MetricsServer:
     """A running metrics endpoint (see :func:`start_metrics_server`); :meth:`close` stops it."""
 
@@ -221,7 +241,7 @@ class MetricsServer:
 
 
 def start_metrics_server(
-    runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1"
+    runtime: MetricsSource, port: int, addr: str = "127.0.0.1"
 ) -> MetricsServer:
     """Serve ``runtime``'s metrics over HTTP on ``addr:port`` (0 = any free port).
 

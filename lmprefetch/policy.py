@@ -9,6 +9,12 @@ The engine asks the policy with a :class:`LoadRequest`: the hit split into :clas
 (one per tier, in prefix order, each with the tier's measured :class:`TierCost`), the tokens of
 each chunk, and the engine's :class:`PrefillModel` (seconds to compute a span of tokens).
 
+A policy says when it decides (its ``decides`` attribute, :class:`Decides`): once every tier
+was probed (the default: the loads wait for its answer), or before probing, without seeing the
+hit (``always`` and ``never``: its answer bounds what the lookup probes, and each tier's load
+starts as soon as its probe answers).  The engine asks every policy the same one question,
+:meth:`LoadPolicy.chunks_to_load`, at the moment the policy chose.
+
 Policies (``PrefetchConfig.load_policy``):
 
 * ``"always"``: load the whole hit (:class:`AlwaysLoad`, the default);
@@ -33,6 +39,7 @@ Trio thread (a lock guards it); everything else runs on the engine's thread.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import threading
 from typing import Final, Protocol, runtime_checkable
@@ -45,6 +52,7 @@ __all__ = [
     "BUILTIN_POLICIES",
     "AlwaysLoad",
     "CostPolicy",
+    "Decides",
     "HitPart",
     "LoadPolicy",
     "LoadRequest",
@@ -52,6 +60,7 @@ __all__ = [
     "PrefillModel",
     "TierCost",
     "make_policy",
+    "when_decides",
 ]
 
 #: The policies ``load_policy`` names without a module.
@@ -93,9 +102,15 @@ class HitPart(msgspec.Struct, frozen=True, gc=False):
 class LoadRequest(msgspec.Struct, frozen=True, gc=False):
     """What a policy decides on.
 
+    A policy that decides before probing (:attr:`Decides.BEFORE_PROBING`) is asked with no
+    ``parts`` and ``chunk_tokens`` covering every chunk the lookup could hit: its answer is
+    the most chunks the lookup probes and loads.
+
     Attributes:
-        parts: the hit, tier by tier, in prefix order (only tiers with hit chunks).
-        chunk_tokens: tokens of each hit chunk, in order (``len`` = the parts' chunks).
+        parts: the hit, tier by tier, in prefix order (only tiers with hit chunks; empty
+            before probing).
+        chunk_tokens: tokens of each hit chunk, in order (``len`` = the parts' chunks; before
+            probing, every chunk the lookup could hit).
         computed_tokens: tokens before the hit (the chunks the engine holds already).
         prompt_tokens: tokens in the looked-up prompt.
         prefill: the engine's prefill cost model.
@@ -112,27 +127,51 @@ class LoadRequest(msgspec.Struct, frozen=True, gc=False):
         return len(self.chunk_tokens)
 
 
+class Decides(enum.Enum):
+    """When a policy decides how much of a hit to load (a policy's ``decides`` attribute),
+    which is when a lookup's loads may start."""
+
+    #: Once every tier was probed, knowing which tier holds each hit chunk: the loads wait for
+    #: the policy's answer.  The default for a policy that does not say.
+    AFTER_PROBING = "after_probing"
+    #: Before any probe, without seeing the hit (``parts`` is empty): the answer bounds the
+    #: chunks the lookup probes, and each tier's load starts as soon as its probe answers.
+    #: An answer of 0 probes nothing: the lookup answers at once.
+    BEFORE_PROBING = "before_probing"
+
+
 @runtime_checkable
 class LoadPolicy(Protocol):
     """A load-or-recompute policy: how many of the hit chunks to load.
 
-    ``chunks_to_load`` runs on the engine's Trio thread once per lookup that found a hit on a
-    tier that needs a load, so it must be quick and must not block.  It returns a number from
-    0 (recompute everything) to ``request.hit_chunks`` (load the whole hit); the engine clamps
-    anything else into that range.  An exception is logged and the whole hit is loaded."""
+    ``chunks_to_load`` runs on the engine's Trio thread once per lookup, when the policy
+    decides (see :class:`Decides`; by default once every tier was probed, and only for a
+    lookup that found a hit), so it must be quick and must not block.  It returns a number
+    from 0 (recompute everything) to ``request.hit_chunks`` (load the whole hit); the engine
+    clamps anything else into that range.  An exception is logged and the whole hit is
+    loaded.
+
+    A policy may say when it decides with a class attribute ``decides`` (a :class:`Decides`;
+    read once, when the engine opens, by :func:`when_decides`).  A subclass inherits it, and is
+    asked the same way as its base."""
 
     def chunks_to_load(self, request: LoadRequest) -> int: ...
 
 
 class AlwaysLoad:
-    """Load every hit chunk."""
+    """Load every hit chunk: decided before probing, so each tier's load starts as soon as its
+    probe answers."""
+
+    decides = Decides.BEFORE_PROBING
 
     def chunks_to_load(self, request: LoadRequest) -> int:
         return request.hit_chunks
 
 
 class NeverLoad:
-    """Load nothing: recompute."""
+    """Load nothing: recompute (decided before probing, so a lookup probes nothing)."""
+
+    decides = Decides.BEFORE_PROBING
 
     def chunks_to_load(self, request: LoadRequest) -> int:
         return 0
@@ -140,6 +179,8 @@ class NeverLoad:
 
 class CostPolicy:
     """The prefix with the lowest expected time to first token (see the module docstring)."""
+
+    decides = Decides.AFTER_PROBING
 
     def chunks_to_load(self, request: LoadRequest) -> int:
         n = request.hit_chunks
@@ -285,6 +326,23 @@ def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None
     return (a, 0.0) if a > 0 else None
 
 
+def when_decides(policy: LoadPolicy) -> Decides:
+    """When ``policy`` decides: its ``decides`` attribute, :attr:`Decides.AFTER_PROBING` when
+    it has none.
+
+    Raises:
+        ValueError: ``decides`` is not a :class:`Decides` (the message starts with
+            ``load_policy``).
+    """
+    when = getattr(policy, "decides", Decides.AFTER_PROBING)
+    if not isinstance(when, Decides):
+        raise ValueError(
+            f"load_policy: {type(policy).__name__}.decides must be a lmprefetch.policy.Decides, "
+            f"got {when!r}"
+        )
+    return when
+
+
 def make_policy(name: str) -> LoadPolicy:
     """The policy ``load_policy`` names, built.
 
@@ -316,4 +374,5 @@ def make_policy(name: str) -> LoadPolicy:
         raise ValueError(f"load_policy: {name} could not be built: {exc!r}") from None
     if not callable(getattr(policy, "chunks_to_load", None)):
         raise ValueError(f"load_policy: {name} has no chunks_to_load(request) method")
+    when_decides(policy)  # a ValueError naming load_policy if it says something else
     return policy  # type: ignore[no-any-return]

@@ -33,13 +33,21 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import msgspec
 import trio
 import zmq
 
+from ._stats import snapshot
 from .events import KVEventBatch, KVEventTracker, encode_batch
 from .transport import TrioZmqSocket, check_endpoint, close_context, make_xpub, open_context
 
-__all__ = ["EventsEndpointError", "KVEventPublisher", "publish_kv_events"]
+__all__ = [
+    "EventsEndpointError",
+    "KVEventPublisher",
+    "PublisherCounters",
+    "PublisherStatistics",
+    "publish_kv_events",
+]
 
 log = logging.getLogger("lmprefetch.publisher")
 
@@ -47,6 +55,19 @@ log = logging.getLogger("lmprefetch.publisher")
 MAX_BATCH_EVENTS = 1024
 
 FailureCallback = Callable[[BaseException], None]
+
+
+class PublisherCounters(msgspec.Struct, gc=False):
+    """What a publisher sent: batches and the events in them, and batches dropped (the
+    socket would have blocked)."""
+
+    batches_sent: int = 0
+    events_sent: int = 0
+    batches_dropped: int = 0
+
+
+class PublisherStatistics(PublisherCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of a publisher's counters (see :class:`PublisherCounters`)."""
 
 
 class EventsEndpointError(ValueError):
@@ -63,17 +84,17 @@ class KVEventPublisher:
         self._topic = topic.encode("utf-8")
         #: Set once a subscriber to the topic arrived (sending starts then).
         self.subscribed = trio.Event()
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("batches_sent", "events_sent", "batches_dropped"), 0
-        )
+        #: The live counters (read them; the publisher's task changes them).
+        self.counters = PublisherCounters()
 
     @property
     def endpoint(self) -> str:
         """The bound endpoint (with the real port after binding ``tcp://…:0``)."""
         return str(self._sock.socket.getsockopt_string(zmq.LAST_ENDPOINT))
 
-    def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+    def statistics(self) -> PublisherStatistics:
+        """A snapshot of the publisher's counters."""
+        return snapshot(PublisherStatistics, self.counters)
 
     async def _run(self) -> None:
         sock = self._sock
@@ -93,10 +114,10 @@ class KVEventPublisher:
                 try:
                     sock.send_multipart_nowait((topic, seq.to_bytes(8, "big"), payload))
                 except trio.WouldBlock:  # a PUB socket drops instead; be safe anyway
-                    counters["batches_dropped"] += 1
+                    counters.batches_dropped += 1
                 else:
-                    counters["batches_sent"] += 1
-                    counters["events_sent"] += len(events)
+                    counters.batches_sent += 1
+                    counters.events_sent += len(events)
                 seq += 1
                 await trio.lowlevel.checkpoint()
             # No checkpoint since the queue was seen empty: an event queued from here on sets

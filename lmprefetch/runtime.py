@@ -26,7 +26,6 @@ from contextlib import AbstractContextManager, asynccontextmanager, contextmanag
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-import msgspec
 import trio
 from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -35,10 +34,11 @@ from .config import PrefetchConfig
 from .events import ChunkBlocks, EventMode, KVEvent
 from .keys import ChunkKey
 from .memory import Buffer
-from .prefetch import Engine, EngineStatistics
+from .prefetch import Engine
 from .publisher import KVEventPublisher, publish_kv_events
-from .server import LookupServer, ServerStatistics, serve_lookups
+from .server import LookupServer, serve_lookups
 from .wiring import open_engine
+from .worker_statistics import WorkerStatistics
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
     from exceptiongroup import BaseExceptionGroup
@@ -59,20 +59,6 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-class WorkerStatistics(msgspec.Struct, frozen=True, gc=False):
-    """A worker's statistics: its engine's, its lookup server's and its publisher's."""
-
-    engine: EngineStatistics
-    server: ServerStatistics | None
-    publisher: dict[str, int] | None
-
-    def as_dict(self) -> dict[str, Any]:
-        out = self.engine.as_dict()
-        out["server"] = None if self.server is None else msgspec.structs.asdict(self.server)
-        out["publisher"] = self.publisher
-        return out
 
 
 class WorkerRuntime:
@@ -402,14 +388,13 @@ class WorkerRuntime:
         return WorkerStatistics(
             engine=self._engine.statistics(),
             server=None if server is None else server.statistics(),
-            publisher=None if publisher is None else publisher.stats(),
+            publisher=None if publisher is None else publisher.statistics(),
         )
 
     def stats(self) -> dict[str, Any]:
-        """:meth:`statistics` as a dict: the engine's (see
-        :meth:`~lmprefetch.prefetch.EngineStatistics.as_dict`), with the server's counters
-        under ``"server"`` and the publisher's under ``"publisher"`` (``None`` when not
-        serving or publishing)."""
+        """:meth:`statistics` as a dict (see :meth:`WorkerStatistics.as_dict
+        <lmprefetch.worker_statistics.WorkerStatistics.as_dict>`): the engine's, with the
+        server's counters under ``"server"`` and the publisher's under ``"publisher"``."""
         return self.statistics().as_dict()
 
     def is_idle(self) -> bool:

@@ -31,6 +31,9 @@ broken socket) the error is logged with its traceback, ``on_failure`` is called,
 exception leaves :func:`serve_lookups` (trio's nursery rules): the server never lives on deaf.
 :class:`~lmprefetch.runtime.WorkerRuntime` turns that into a failed runtime, and the
 ``lmprefetch worker`` command into a non-zero exit.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import trio
 import zmq
 
 from . import protocol
+from ._stats import snapshot
 from .prefetch import Engine
 from .transport import (
     TrioZmqSocket,
@@ -56,7 +60,7 @@ from .transport import (
     open_context,
 )
 
-__all__ = ["LookupServer", "ServerStatistics", "serve_lookups"]
+__all__ = ["LookupServer", "ServerCounters", "ServerStatistics", "serve_lookups"]
 
 log = logging.getLogger("lmprefetch.server")
 
@@ -65,24 +69,30 @@ _DRAIN_BATCH = 512
 FailureCallback = Callable[[BaseException], None]
 
 
-class ServerStatistics(msgspec.Struct, frozen=True, gc=False):
-    """What a lookup server received and sent."""
+class ServerCounters(msgspec.Struct, gc=False):
+    """What a lookup server received and sent (every count since it started)."""
 
     #: Decoded requests; those not stale (each gets exactly one answer); stale ones (older
     #: than the running lookup of their id), dropped.
-    requests_received: int
-    requests_accepted: int
-    requests_stale: int
-    cleanups_received: int
+    requests_received: int = 0
+    requests_accepted: int = 0
+    requests_stale: int = 0
+    cleanups_received: int = 0
     #: Frames dropped as undecodable, plus requests answered 0 as nonsense.
-    messages_malformed: int
-    answers_sent: int
+    messages_malformed: int = 0
+    answers_sent: int = 0
     #: Answers that met the high-water mark, or came while the scheduler's answer endpoint
     #: was not connected, and waited.
-    answers_waited: int
-    #: Answers left unsent at shutdown, and waiting to be sent now.
-    answers_dropped: int
-    answers_queued: int
+    answers_waited: int = 0
+    #: Answers left unsent at shutdown.
+    answers_dropped: int = 0
+
+
+class ServerStatistics(ServerCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of a lookup server's counters (see :class:`ServerCounters`), and the
+    answers waiting to be sent now."""
+
+    answers_queued: int = 0
 
 
 class LookupServer:
@@ -106,29 +116,12 @@ class LookupServer:
         self._outbox_lot = trio.lowlevel.ParkingLot()
         #: The exception that stopped the server, if one did.
         self.failure: BaseException | None = None
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "requests_received",
-                "requests_accepted",
-                "cleanups_received",
-                "answers_sent",
-                "answers_waited",
-                "answers_dropped",
-                "messages_malformed",
-                "requests_stale",
-            ),
-            0,
-        )
+        #: The live counters (read them; the server's tasks change them).
+        self.counters = ServerCounters()
 
     def statistics(self) -> ServerStatistics:
         """A snapshot of the server's counters (see :class:`ServerStatistics`)."""
-        return ServerStatistics(**self.counters, answers_queued=len(self._outbox))
-
-    def stats(self) -> dict[str, int]:
-        """:meth:`statistics` as a dict."""
-        out = dict(self.counters)
-        out["answers_queued"] = len(self._outbox)
-        return out
+        return snapshot(ServerStatistics, self.counters, answers_queued=len(self._outbox))
 
     # -- receiving (the receive task owns the request socket) ---------------------------
     async def _receive_loop(self) -> None:
@@ -142,19 +135,19 @@ class LookupServer:
         try:
             msg = protocol.decode_worker_message(data)
         except msgspec.DecodeError as exc:
-            self.counters["messages_malformed"] += 1
+            self.counters.messages_malformed += 1
             log.debug("dropped a malformed message: %s", exc)
             return
         if isinstance(msg, protocol.LookupCleanupMsg):
-            self.counters["cleanups_received"] += 1
+            self.counters.cleanups_received += 1
             self.engine.cancel(msg.lookup_id, seq=msg.seq)
             return
-        self.counters["requests_received"] += 1
+        self.counters.requests_received += 1
         current = self.engine.current_seq(msg.lookup_id)
         if current is not None and msg.seq and msg.seq < current:
-            self.counters["requests_stale"] += 1
+            self.counters.requests_stale += 1
             return
-        self.counters["requests_accepted"] += 1
+        self.counters.requests_accepted += 1
         lookup_id, seq, rank = msg.lookup_id, msg.seq, self.engine.rank
         outbox, lot = self._outbox, self._outbox_lot
 
@@ -181,7 +174,7 @@ class LookupServer:
 
         problem = protocol.validate_request(msg)
         if problem is not None:
-            self.counters["messages_malformed"] += 1
+            self.counters.messages_malformed += 1
             self.engine.note_malformed_request()
             log.debug("malformed request %s: %s", lookup_id, problem)
             on_answer(0)
@@ -219,13 +212,13 @@ class LookupServer:
                 except trio.WouldBlock:
                     # Wait on the socket (only this task touches it, so no wake-up can be
                     # taken from under it).
-                    counters["answers_waited"] += 1
+                    counters.answers_waited += 1
                     if not connected:
                         self._connect_now()
                     await sock.send(data)
                 connected = True
                 outbox.popleft()
-                counters["answers_sent"] += 1
+                counters.answers_sent += 1
             # No checkpoint since the outbox was seen empty, so no answer can have been
             # appended unseen: the next one unparks this task.
             await lot.park()
@@ -316,7 +309,7 @@ async def serve_lookups(
                 yield server
             finally:
                 nursery.cancel_scope.cancel()
-                server.counters["answers_dropped"] += len(server._outbox)
+                server.counters.answers_dropped += len(server._outbox)
                 server._outbox.clear()
     finally:
         for sock in sockets:

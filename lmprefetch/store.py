@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import trio
 
+from ._stats import snapshot
 from .config import PrefetchConfig
 from .events import ChunkBlocks, KVEventTracker
 from .hashing import ChunkHasher
@@ -30,15 +31,19 @@ from .memory import Buffer
 from .tiers.base import WriteBehindTier
 from .tiers.cpu import CpuTier
 
-__all__ = ["ChunkStore", "StoreStatistics"]
+__all__ = ["ChunkStore", "StoreCounters", "StoreStatistics"]
 
 
-class StoreStatistics(msgspec.Struct, frozen=True, gc=False):
+class StoreCounters(msgspec.Struct, gc=False):
     """What the write path stored: chunks taken by the CPU tier (each queued for write-behind),
     and chunks left out because the CPU tier could not take them (everything pinned)."""
 
-    chunks_stored: int
-    rejected_chunks: int
+    chunks_stored: int = 0
+    rejected_chunks: int = 0
+
+
+class StoreStatistics(StoreCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of the write path's counters (see :class:`StoreCounters`)."""
 
 
 class ChunkStore:
@@ -71,11 +76,10 @@ class ChunkStore:
         self._cpu = cpu
         self._write_behind = tuple(write_behind)
         self._kv_events = kv_events
-        self._chunks_stored = 0
-        self._rejected_chunks = 0
+        self._counters = StoreCounters()
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(self._chunks_stored, self._rejected_chunks)
+        return snapshot(StoreStatistics, self._counters)
 
     async def store(
         self, token_ids: Sequence[int] | Any, payloads: Sequence[Any], salt: bytes | None
@@ -146,19 +150,17 @@ class ChunkStore:
                 if len(bufs) < kpc:
                     for key in chunk_keys[: len(bufs)]:
                         cpu.discard(key)
-                    self._rejected_chunks += len(views) - i
+                    self._counters.rejected_chunks += len(views) - i
                     break
                 for key, buf in zip(chunk_keys, bufs):
                     for tier in self._write_behind:
                         tier.enqueue_write(key, buf)
                 stored += 1
                 # Counted per chunk: a store cancelled at a later chunk keeps these.
-                self._chunks_stored += 1
+                self._counters.chunks_stored += 1
         return stored
 
-    def describe_chunks(
-        self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks] | None
-    ) -> None:
+    def describe_chunks(self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks] | None) -> None:
         """See :meth:`Engine.describe_chunks <lmprefetch.prefetch.Engine.describe_chunks>`."""
         tracker = self._kv_events
         if tracker is None:

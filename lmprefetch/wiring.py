@@ -145,7 +145,7 @@ def _check_extras(config: PrefetchConfig) -> None:
                 "python -m pip install 'lmprefetch[torch]'"
             ) from None
     if config.mooncake_master is not None:
-        from .tiers.mooncake import check_installed
+        from .tiers.mooncake_store import check_installed
 
         check_installed()  # ValueError naming the extra
 

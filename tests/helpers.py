@@ -50,18 +50,18 @@ def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
     """The conservation invariant (nothing in flight or held, no pin, no limiter weight, no
     arena byte outside the CPU tier), and, unless the test injected ``faults``, no failed
     lookup and no tier error: a bug in lmprefetch must never pass as a miss."""
-    s = engine.stats()
-    assert s["inflight_lookups"] == 0
-    assert s["held_lookups"] == 0
-    assert s["pinned_chunks"] == 0
-    assert s["limiter_used"] == 0
-    assert s["arena_used_bytes"] == s["cpu_resident_bytes"]
+    s = engine.statistics()
+    assert s.lookups.inflight == 0
+    assert s.lookups.held == 0
+    assert s.pinned_chunks == 0
+    assert s.limiter.used == 0
+    assert s.arena.used_bytes == s.cpu_resident_bytes
     for tier in engine.tiers:
         assert tier.pinned_count() == 0, tier.name
     if not faults:
-        assert s["lookups"]["failed"] == 0, "a lookup failed: see the logged traceback"
-        for name, tier_stats in s["tiers"].items():
-            assert tier_stats["errors"] == 0, f"tier {name} reported errors"
+        assert s.lookups.failed == 0, "a lookup failed: see the logged traceback"
+        for name, tier_stats in s.tiers:
+            assert tier_stats.errors == 0, f"tier {name} reported errors"
 
 
 @asynccontextmanager

@@ -14,7 +14,10 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmprefetch.tiers.mooncake_store import MooncakeStore
 
 OK = 0
 INVALID_PARAMS = -600
@@ -46,7 +49,10 @@ class FakePool:
         self.clients: list[FakeStore] = []
         self.calls: list[str] = []
 
-    def factory(self) -> Callable[[], FakeStore]:
+    def factory(self) -> Callable[[], MooncakeStore]:
+        """What the tier's ``store_factory`` takes (mypy checks the fake against the tier's
+        :class:`~lmprefetch.tiers.mooncake_store.MooncakeStore` here: ``nox -s types``)."""
+
         def make() -> FakeStore:
             store = FakeStore(self)
             with self.lock:

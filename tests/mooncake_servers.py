@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 import pytest
 
 from lmprefetch.bench.netns import loopback_only
+
+from .server_processes import ServerProcess, free_port
 
 __all__ = [
     "CALL_TIMEOUT_S",
@@ -100,23 +101,15 @@ needs_mooncake = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class _Process:
+class _Process(ServerProcess):
     """A child process whose output a thread drains into :attr:`log`; :meth:`wait_for` waits
     for a line."""
 
     def __init__(self, name: str) -> None:
+        super().__init__(STARTUP_TIMEOUT_S)
         self.name = name
-        self.proc: subprocess.Popen[bytes] | None = None
         self.log = bytearray()
         self._changed = threading.Condition()
-        self._paused = False
         self._drainer: threading.Thread | None = None
 
     def _spawn(self, argv: list[str]) -> None:
@@ -157,56 +150,10 @@ class _Process:
                 )
 
     def _reaped(self) -> None:
-        self.proc = None
+        super()._reaped()
         if self._drainer is not None:  # it ends at the end of the output
             self._drainer.join(STARTUP_TIMEOUT_S)
             self._drainer = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def kill(self) -> None:
-        """SIGKILL our own process (by pid) and reap it."""
-        proc = self.proc
-        if proc is None:
-            return
-        if self._paused:
-            self.resume()
-        proc.kill()
-        proc.wait(timeout=STARTUP_TIMEOUT_S)
-        self._reaped()
-
-    def pause(self) -> None:
-        """SIGSTOP, and wait until the whole process has stopped (the signal is only queued:
-        its other threads may answer a request meanwhile).  The process keeps its sockets
-        (connections are accepted) but never answers."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        self._paused = True
-        _, status = os.waitpid(self.proc.pid, os.WUNTRACED)  # our child: reports the stop
-        assert os.WIFSTOPPED(status), status
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-        self._paused = False
-
-    def stop(self) -> None:
-        """SIGTERM and reap (SIGKILL if it does not exit in time)."""
-        proc = self.proc
-        if proc is None:
-            return
-        if self._paused:
-            self.resume()
-        proc.terminate()
-        try:
-            proc.wait(timeout=STARTUP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        self._reaped()
 
 
 def _wait_accepting(port: int, timeout_s: float) -> None:

@@ -19,8 +19,6 @@ import contextlib
 import os
 import selectors
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from .server_processes import ServerProcess, free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 HAVE_REDIS = REDIS_SERVER is not None and REDIS_CLI is not None
@@ -36,15 +36,7 @@ HAVE_REDIS = REDIS_SERVER is not None and REDIS_CLI is not None
 STARTUP_TIMEOUT_S = 20.0
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class RedisServer:
+class RedisServer(ServerProcess):
     """One ``redis-server`` process on ``127.0.0.1:port`` with ``workdir`` as its directory.
 
     Args:
@@ -54,13 +46,12 @@ class RedisServer:
     """
 
     def __init__(self, workdir: Path, port: int | None = None, *, cluster: bool = False) -> None:
+        super().__init__(STARTUP_TIMEOUT_S)
         self.workdir = workdir
         self.port = port if port is not None else free_port()
         self.cluster = cluster
         self.bus_port = free_port() if cluster else 0
-        self.proc: subprocess.Popen[bytes] | None = None
         self._log = bytearray()
-        self._paused = False
 
     @property
     def url(self) -> str:
@@ -147,48 +138,9 @@ class RedisServer:
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
 
-    # -- faults --------------------------------------------------------------------------
-    def kill(self) -> None:
-        """SIGKILL (our own process, by pid) and reap it; :meth:`start` again reuses the port."""
-        proc = self.proc
-        if proc is None:
-            return
-        if self._paused:
-            self.resume()
-        proc.kill()
-        proc.wait(timeout=STARTUP_TIMEOUT_S)
-        self._reaped()
-
-    def pause(self) -> None:
-        """SIGSTOP: the server accepts TCP connections (kernel backlog) but never answers."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        """SIGCONT after :meth:`pause`."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-        self._paused = False
-
-    def stop(self) -> None:
-        """SIGTERM and reap (SIGKILL if it does not exit in time)."""
-        proc = self.proc
-        if proc is None:
-            return
-        if self._paused:
-            self.resume()
-        proc.terminate()
-        try:
-            proc.wait(timeout=STARTUP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        self._reaped()
-
     def _reaped(self) -> None:
         self.close_log()
-        self.proc = None
+        super()._reaped()
 
 
 class RedisCluster:

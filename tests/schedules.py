@@ -437,10 +437,16 @@ class World:
                 )
 
     def check_quiescent(self) -> None:
-        s = self.engine.stats()
-        for key in ("inflight_lookups", "held_lookups", "pinned_chunks", "limiter_used"):
-            if s[key] != 0:
-                self.violations.append(f"at quiescence: {key} = {s[key]}")
+        s = self.engine.statistics()
+        now = {
+            "inflight_lookups": s.lookups.inflight,
+            "held_lookups": s.lookups.held,
+            "pinned_chunks": s.pinned_chunks,
+            "limiter_used": s.limiter.used,
+        }
+        for key, value in now.items():
+            if value != 0:
+                self.violations.append(f"at quiescence: {key} = {value}")
         for tier in self.engine.tiers:
             if tier.pinned_count():
                 self.violations.append(f"at quiescence: tier {tier.name} holds pins")
@@ -456,7 +462,7 @@ class World:
                 self.violations.append(
                     f"at quiescence: cached chunk {key.chunk_hash:x} has {buf.owners} owners"
                 )
-        outside = s["arena_used_bytes"] - s["cpu_resident_bytes"]
+        outside = s.arena.used_bytes - s.cpu_resident_bytes
         if outside:
             self.violations.append(f"at quiescence: {outside} arena bytes outside the CPU tier")
 

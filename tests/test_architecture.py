@@ -1,5 +1,8 @@
 """The architecture page is the map of the code: every module under ``lmprefetch/`` is in its
-module table, in a layer, and no module imports from a layer above its own.
+module table, in a layer, no module imports from a layer above its own, and no two modules
+import each other, directly or through others (within a layer too: a cycle there makes the
+layer one module in two files; type-only imports count here, ``test_imports.py`` checks the
+imports that run).
 
 Imports are read with :mod:`ast` from the sources, all of them: at module level, inside
 functions (lazy imports are still dependencies) and under ``TYPE_CHECKING``.
@@ -10,6 +13,8 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+
+from .graphs import cycles
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lmprefetch"
@@ -94,6 +99,13 @@ def test_no_import_goes_up_a_layer() -> None:
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
 
 
+def test_no_two_modules_import_each_other() -> None:
+    known = modules()
+    graph = {name: imported_modules(name, path, known) for name, path in known.items()}
+    found = cycles(graph)
+    assert not found, "modules that import each other:\n" + "\n".join(map(str, found))
+
+
 def test_the_checks_see_what_they_check() -> None:
     """The parser finds the layers and the imports (a check that reads nothing passes)."""
     order, layer_of = layers_on_the_page(PAGE.read_text())
@@ -106,6 +118,9 @@ def test_the_checks_see_what_they_check() -> None:
     assert "lmprefetch" not in deps  # ``from . import protocol`` is protocol
     lazy = imported_modules("lmprefetch.wiring", known["lmprefetch.wiring"], known)
     assert "lmprefetch.tiers.disk" in lazy  # imported inside a function
+    # A cycle through type-only imports is in the graph (test_imports.py leaves those out):
+    metrics = imported_modules("lmprefetch.metrics", known["lmprefetch.metrics"], known)
+    assert "lmprefetch.prefetch" in metrics  # under TYPE_CHECKING only
     # A page whose layers were in the wrong order would be caught:
     swapped = PAGE.read_text().replace("| helpers | `_sync.py`", "| helpers-x | `_sync.py`")
     assert layers_on_the_page(swapped)[0][0] == "helpers-x"

@@ -257,7 +257,7 @@ async def test_a_process_not_ready_in_time_is_stopped() -> None:
 
 # -- the report ------------------------------------------------------------------------------
 def _fake_result(ttft_ms: dict[str, float], probe_ratio: float | None) -> dict[str, Any]:
-    from lmprefetch.bench.serve.run import Observed, ProbeResult, WorkloadStats
+    from lmprefetch.bench.serve.rounds import Observed, ProbeResult, WorkloadStats
 
     raw: dict[str, Any] = {}
     for name, ms in ttft_ms.items():
@@ -383,7 +383,7 @@ async def test_private_dirs_keep_socket_paths_short_and_are_removed(
     import shutil
     import tempfile
 
-    from lmprefetch.bench.serve.run import private_dirs
+    from lmprefetch.bench.serve.servers import private_dirs
 
     if long_tmpdir:
         base = tmp_path / ("x" * 60)

@@ -281,8 +281,8 @@ def test_scenarios_and_the_slow_link_from_the_command_line() -> None:
 
 
 def test_the_measured_servers_cpu_tier_cannot_keep_a_document_until_it_returns() -> None:
+    from lmprefetch.bench.serve.link_scenario import link_cpu_bytes
     from lmprefetch.bench.serve.model import kv_bytes_per_token
-    from lmprefetch.bench.serve.run import link_cpu_bytes
 
     for opts in (ServeBenchOptions.full(), ServeBenchOptions.quick_preset()):
         chunk = opts.chunk_size * kv_bytes_per_token(opts.model)
@@ -295,7 +295,7 @@ def test_the_measured_servers_cpu_tier_cannot_keep_a_document_until_it_returns()
 
 # -- figures, goals and the JSON ---------------------------------------------------------------
 def _link_result(p50_ms: dict[str, float]) -> dict[str, Any]:
-    from lmprefetch.bench.serve.run import WorkloadStats
+    from lmprefetch.bench.serve.rounds import WorkloadStats
 
     opts = ServeBenchOptions.quick_preset(scenarios=tuple(p50_ms))
     raw: dict[str, Any] = {}

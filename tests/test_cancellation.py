@@ -194,15 +194,15 @@ async def run_lookup(path: Lookup, steps: Steps, via: str) -> Outcome:
                 assert_conserved(engine)
             await engine.wait_quiet()
             assert_conserved(engine)
-            assert engine.stats()["lookups"]["started"] == 1
+            assert engine.statistics().lookups.started == 1
     assert engine.arena.used_slots == 0  # closed: every reference was released
     assert len(answers) == 1, answers  # exactly one answer per started lookup
     assert answers[0] in (0, expected)
     if cancelled == ["before"]:
         assert answers == [0]
-    stats = engine.stats()
+    lookups = engine.statistics().lookups
     # Counted once: a lookup cancelled before its answer is a miss, never also a hit.
-    assert stats["lookups"]["hits"] + stats["lookups"]["misses"] == 1
+    assert lookups.hits + lookups.misses == 1
     if returned:
         assert answers == returned
     return Outcome(returned, answers, steps.fired)
@@ -335,13 +335,13 @@ async def check_store(
     assert [cached(engine, k)[0] for k in in_cpu] == parts[: len(in_cpu)]
     if returned:
         assert returned == [len(data)] == [n_chunks]
-    assert engine.stats()["store"]["chunks_stored"] == n_chunks  # counted even when cancelled
+    assert engine.statistics().store.chunks_stored == n_chunks  # counted even when cancelled
     # Write-behind holds references on the cached buffers only: nothing else is held.
     assert_conserved(engine)
     for tier in engine.tiers:
         if isinstance(tier, DiskTier):  # queued or written: exactly the cached chunks
             assert set(tier.keys()) <= set(in_cpu)
-            assert tier.pending_writes + len(tier) == len(in_cpu)
+            assert tier.queued_writes + len(tier) == len(in_cpu)
     await engine.flush()
     for tier in engine.tiers:
         if isinstance(tier, DiskTier):

@@ -172,8 +172,8 @@ def test_first_lookup_sends_one_request_to_every_worker(cluster: Cluster) -> Non
         assert req.request_configs is None
         assert before_ms + 7000 - 1 <= req.deadline_ms <= after_ms + 7000
     assert_no_other_traffic(client, workers)
-    assert client.stats()["submitted"] == 1
-    assert client.stats()["pending"] == 1
+    assert client.statistics().submitted == 1
+    assert client.statistics().pending == 1
 
 
 def test_sequence_numbers_increase(cluster: Cluster) -> None:
@@ -212,7 +212,7 @@ def test_lookup_argument_errors(cluster: Cluster) -> None:
         client.lookup("a", None, hashes=[1], offsets=[4, 4])
     with pytest.raises(ValueError, match="offsets"):
         client.lookup("a", tokens(1), offsets=[4])
-    assert client.stats()["submitted"] == 0
+    assert client.statistics().submitted == 0
 
 
 def test_tokens_appended_after_submit_are_not_hashed(cluster: Cluster) -> None:
@@ -229,7 +229,7 @@ def test_unhashable_prompt_answers_zero(cluster: Cluster, caplog: pytest.LogCapt
     client.lookup("bad", ["not", "tokens"])
     assert client.wait("bad", LIMIT_S) == 0
     assert client.lookup("bad", []) == 0
-    assert client.stats()["hash_errors"] == 1
+    assert client.statistics().hash_errors == 1
     assert "cannot build the request" in caplog.text
     assert_no_other_traffic(client, [w])  # nothing was sent for it
 
@@ -266,8 +266,8 @@ def test_d14_min_over_ranks(cluster: Cluster) -> None:
     assert client.wait("r", LIMIT_S) == 3 * CHUNK
     assert client.lookup("r", toks) == 3 * CHUNK  # cached until forget/cancel
     assert client.lookup("r", toks) == 3 * CHUNK
-    stats = client.stats()
-    assert (stats["answered"], stats["pending"]) == (1, 0)
+    stats = client.statistics()
+    assert (stats.answered, stats.pending) == (1, 0)
 
 
 def test_d14_duplicate_answer_is_not_double_counted(cluster: Cluster) -> None:
@@ -280,7 +280,7 @@ def test_d14_duplicate_answer_is_not_double_counted(cluster: Cluster) -> None:
     workers[0].answer("d", 4, seq=seq, worker_id=0)
     workers[0].answer("d", 12, seq=seq, worker_id=1)
     assert client.wait("d", LIMIT_S) == 12
-    assert client.stats()["duplicate_answers"] == 1
+    assert client.statistics().duplicate_answers == 1
 
 
 def test_lmcache_answers_without_worker_id_count(cluster: Cluster) -> None:
@@ -321,7 +321,7 @@ def test_d06_stale_answers_after_forget_and_relookup_are_dropped(cluster: Cluste
     w.answer("reused", 4, seq=old_seq)  # the old lookup's answer, arriving late
     w.answer("reused", 16, seq=new_seq)
     assert client.wait("reused", LIMIT_S) == 16
-    assert client.stats()["stale_answers_dropped"] == 1
+    assert client.statistics().stale_answers_dropped == 1
 
 
 def test_answers_for_unknown_or_finished_lookups_are_dropped(cluster: Cluster) -> None:
@@ -336,7 +336,7 @@ def test_answers_for_unknown_or_finished_lookups_are_dropped(cluster: Cluster) -
     w.answer("b", 0, seq=seq_b)
     assert client.wait("b", LIMIT_S) == 0
     assert client.lookup("a", []) == 8
-    assert client.stats()["stale_answers_dropped"] == 2
+    assert client.statistics().stale_answers_dropped == 2
 
 
 def test_malformed_answers_are_counted_and_survived(cluster: Cluster) -> None:
@@ -349,7 +349,7 @@ def test_malformed_answers_are_counted_and_survived(cluster: Cluster) -> None:
     w.answer("x", -5, seq=seq)  # a negative count
     w.answer("x", 8, seq=seq)
     assert client.wait("x", LIMIT_S) == 8
-    assert client.stats()["malformed_answers"] == 4
+    assert client.statistics().malformed_answers == 4
 
 
 # -- timeouts -------------------------------------------------------------------------
@@ -385,8 +385,8 @@ def test_d07_timeout_answers_zero_once_then_keeps_answering_zero(
     workers[0].answer("slow", 16, seq=seqs[0])
     workers[1].answer("slow", 16, seq=seqs[1])
     assert client.lookup("slow", toks) == 0
-    stats = client.stats()
-    assert (stats["timeouts"], stats["pending"]) == (1, 0)
+    stats = client.statistics()
+    assert (stats.timeouts, stats.pending) == (1, 0)
 
     # forget: the id starts afresh.
     client.forget("slow")
@@ -403,7 +403,7 @@ def test_wait_runs_into_the_lookup_deadline(
     seq = w.recv_request().seq
     assert client.wait("t", LIMIT_S) == 0
     assert w.recv_cleanup() == LookupCleanupMsg("t", seq=seq)
-    assert client.stats()["timeouts"] == 1
+    assert client.statistics().timeouts == 1
     assert len(caplog.records) == 1
 
 
@@ -443,7 +443,7 @@ def test_d03_cancel_sends_cleanup_to_every_worker_with_no_other_traffic(
     client.cancel("abort-me")  # and nothing else happens on this client
     for w, seq in zip(workers, seqs, strict=True):
         assert w.recv_cleanup() == LookupCleanupMsg("abort-me", seq=seq)
-    assert client.stats()["pending"] == 0
+    assert client.statistics().pending == 0
 
     client.cancel("abort-me")  # idempotent: harmless, same seq
     for w, seq in zip(workers, seqs, strict=True):
@@ -472,7 +472,7 @@ def test_cancel_of_unknown_and_forgotten_ids(cluster: Cluster) -> None:
     client.cancel("done")  # the request is aborted later: cleanup with the old seq
     for w in workers:
         assert w.recv_cleanup() == LookupCleanupMsg("done", seq=seq)
-    assert client.stats()["cancels"] == 3  # never-seen, the marker, done
+    assert client.statistics().cancels == 3  # never-seen, the marker, done
 
 
 # -- the scheduler never waits --------------------------------------------------------
@@ -599,8 +599,8 @@ def test_many_lookups_in_flight(cluster: Cluster) -> None:
             w.answer(req.lookup_id, i % 9, seq=req.seq)
     for i in range(n):
         assert client.wait(f"r{i}", LIMIT_S) == i % 9
-    stats = client.stats()
-    assert (stats["submitted"], stats["answered"], stats["pending"]) == (n, n, 0)
+    stats = client.statistics()
+    assert (stats.submitted, stats.answered, stats.pending) == (n, n, 0)
 
 
 def test_dead_worker_at_hwm_drops_instead_of_blocking(cluster: Cluster) -> None:
@@ -613,7 +613,7 @@ def test_dead_worker_at_hwm_drops_instead_of_blocking(cluster: Cluster) -> None:
     for i in range(n):  # in lock-step, so the live worker's queue never fills
         client.lookup(f"r{i}", tokens(1))
         assert live.recv_request().lookup_id == f"r{i}"
-    dropped = client.stats()["sends_dropped"]
+    dropped = client.statistics().sends_dropped
     assert 1 <= dropped <= n - 2
 
 
@@ -673,7 +673,7 @@ def test_d19_close_joins_is_idempotent_and_terms_only_its_own_context() -> None:
                 client.lookup("x", tokens(1))  # results are gone too
             client.cancel("x")  # a no-op, not an error
             client.forget("x")
-            assert client.stats()["pending"] == 0
+            assert client.statistics().pending == 0
         finally:
             worker.close()
 

@@ -40,14 +40,13 @@ from .disk_tiers import (
     payload,
     store,
 )
+from .tier_io import checked_arena
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(SLOT_BYTES, NUM_SLOTS)
-    yield a
-    assert a.free_slots == a.num_slots, "a buffer reference was never released"
-    a.close()
+    with checked_arena(SLOT_BYTES, NUM_SLOTS) as a:
+        yield a
 
 
 # -- round trip, restart ---------------------------------------------------------------------
@@ -372,12 +371,12 @@ async def test_full_write_queue_drops_and_counts_without_blocking(
                 assert enqueue(tier, arena, 0) is True  # already queued: no second slot
             assert accepted == [True, True, True, False, False]
             assert tier.stats.writes_dropped == 2
-            assert tier.pending_writes == 3
+            assert tier.queued_writes == 3
             assert arena.used_slots == 3  # the tier's references on the queued buffers
             await tier.flush()
             assert tier.keys() == [key(0), key(1), key(2)]
             assert arena.used_slots == 0
-            assert tier.pending_writes == 0
+            assert tier.queued_writes == 0
             assert enqueue(tier, arena, 0) is True  # already on disk
 
 
@@ -467,7 +466,7 @@ async def test_flush_waits_for_writes_queued_before_it(tmp_path: Path, arena: Ar
                 for _ in range(3):
                     nursery.start_soon(tier.flush)
             assert len(tier) == 6
-            assert tier.pending_writes == 0
+            assert tier.queued_writes == 0
 
 
 async def test_write_error_is_counted_and_releases_the_buffer(

@@ -37,6 +37,7 @@ from .disk_tiers import (
     payload,
     store,
 )
+from .tier_io import checked_arena
 
 HOUR_NS = 3600 * 10**9
 N = 4  # chunks per test
@@ -65,10 +66,8 @@ class _HashSpy:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(SLOT_BYTES, 16)
-    yield a
-    assert a.free_slots == a.num_slots, "a buffer reference was never released"
-    a.close()
+    with checked_arena(SLOT_BYTES, 16) as a:
+        yield a
 
 
 @pytest.fixture

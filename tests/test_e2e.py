@@ -256,15 +256,15 @@ def test_d19_close_joins_threads_and_leaves_other_contexts_alone(
     worker.store(toks, chunk_payloads(2, 0))
     client.lookup("x", toks)
     assert client.wait("x", 10) == 8
-    assert worker.stats()["held_lookups"] == 1  # the prefetch holds the cached buffers
+    assert worker.statistics().engine.lookups.held == 1  # the prefetch holds the cached buffers
     client.close()
     worker.close()
     worker.close()  # idempotent
-    after = engine.stats()
-    assert after["held_lookups"] == after["inflight_lookups"] == 0
-    assert after["lookups"]["cancelled"] == 1  # closing cancelled the held prefetch
-    assert after["pinned_chunks"] == 0
-    assert after["arena_used_bytes"] == after["cpu_resident_bytes"] == 0  # the arena is free
+    after = engine.statistics()
+    assert after.lookups.held == after.lookups.inflight == 0
+    assert after.lookups.cancelled == 1  # closing cancelled the held prefetch
+    assert after.pinned_chunks == 0
+    assert after.arena.used_bytes == after.cpu_resident_bytes == 0  # the arena is free
     assert set(threading.enumerate()) == threads_before  # runtime and bridge threads joined
     assert before.new_zmq_threads() == {}  # both contexts terminated: no ZMQbg thread left
     assert before.new_fds() == set()  # every socket, eventfd, epoll fd and pipe closed

@@ -38,7 +38,7 @@ async def test_cpu_hit_claim_returns_exact_bytes(small_config: PrefetchConfig) -
         assert await engine.store(toks, data) == 5
         hashes = engine.hasher.hash(toks)
         assert await engine.lookup_and_prefetch("r1", hashes, offsets(5)) == 20
-        assert engine.stats()["held_lookups"] == 1
+        assert engine.statistics().lookups.held == 1
         with engine.claim("r1") as chunks:
             assert [bytes(b.view()) for _, b in chunks] == data
             assert [k.chunk_hash for k, _ in chunks] == hashes
@@ -60,7 +60,7 @@ async def test_full_miss_answers_zero_and_holds_nothing(small_config: PrefetchCo
     async with engine_with(small_config) as engine:
         hashes = engine.hasher.hash(tokens(3))
         assert await engine.lookup_and_prefetch("m", hashes, offsets(3)) == 0
-        assert engine.stats()["held_lookups"] == 0
+        assert engine.statistics().lookups.held == 0
         with engine.claim("m") as chunks:
             assert chunks == []
         assert_conserved(engine)
@@ -131,11 +131,11 @@ async def test_unclaimed_result_expires_after_ttl(
         toks = tokens(3)
         await engine.store(toks, payloads(3))
         await engine.lookup_and_prefetch("e", engine.hasher.hash(toks), offsets(3))
-        assert engine.stats()["held_lookups"] == 1
+        assert engine.statistics().lookups.held == 1
         await trio.sleep(4.9)
-        assert engine.stats()["held_lookups"] == 1
+        assert engine.statistics().lookups.held == 1
         await trio.sleep(0.2)
-        assert engine.stats()["lookups"]["expired"] == 1
+        assert engine.statistics().lookups.expired == 1
         with engine.claim("e") as chunks:
             assert chunks == []
         assert_conserved(engine)
@@ -149,7 +149,7 @@ async def test_reused_id_cancels_the_old_lookup(small_config: PrefetchConfig) ->
         assert await engine.lookup_and_prefetch("x", hashes, offsets(3), seq=1) == 12
         assert await engine.lookup_and_prefetch("x", hashes[:1], offsets(1), seq=2) == 4
         await trio.testing.wait_all_tasks_blocked()
-        assert engine.stats()["held_lookups"] == 1
+        assert engine.statistics().lookups.held == 1
         with engine.claim("x") as chunks:
             assert len(chunks) == 1
 
@@ -172,7 +172,7 @@ async def test_malformed_request_answers_zero_and_counts(small_config: PrefetchC
     async with engine_with(small_config) as engine:
         assert await engine.lookup_and_prefetch("bad", [1, 2, 3], [4, 4]) == 0
         assert await engine.lookup_and_prefetch("bad2", [1], [0]) == 0
-        assert engine.stats()["lookups"]["malformed"] == 2
+        assert engine.statistics().lookups.malformed == 2
 
 
 async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> None:
@@ -184,7 +184,7 @@ async def test_expired_deadline_answers_zero(small_config: PrefetchConfig) -> No
             "d", engine.hasher.hash(toks), offsets(2), deadline=past
         )
         assert got == 0
-        assert engine.stats()["lookups"]["deadline_expired"] == 1
+        assert engine.statistics().lookups.deadline_expired == 1
 
 
 async def test_layerwise_keys_per_layer_and_whole_chunks(small_config: PrefetchConfig) -> None:
@@ -193,7 +193,7 @@ async def test_layerwise_keys_per_layer_and_whole_chunks(small_config: PrefetchC
         toks = tokens(3)
         data = [bytes(range(i, i + 64)) for i in range(3)]
         assert await engine.store(toks, data) == 3
-        assert engine.stats()["cpu_resident_chunks"] == 12
+        assert engine.statistics().cpu_resident_chunks == 12
         hashes = engine.hasher.hash(toks)
         # Drop one layer of chunk 1: the hit stops at a whole chunk.
         engine.cpu.discard(engine.keys.keys(hashes)[4 + 2])
@@ -213,7 +213,7 @@ async def test_store_rejects_oversized_payload_naming_the_chunk(
     async with engine_with(small_config) as engine:
         with pytest.raises(ValueError, match=r"payloads\[1\]: chunk 1"):
             await engine.store(tokens(2), [b"a" * 10, b"b" * 65])
-        assert engine.stats()["cpu_resident_chunks"] == 0  # nothing stored
+        assert engine.statistics().cpu_resident_chunks == 0  # nothing stored
         with pytest.raises(ValueError, match="payloads"):
             await engine.store(tokens(1), payloads(2))
 
@@ -226,7 +226,7 @@ async def test_store_when_everything_pinned_stores_what_fits(
         await engine.store(held, payloads(30))
         await engine.lookup_and_prefetch("hold", engine.hasher.hash(held), offsets(30))
         assert await engine.store(tokens(5, salt=2), payloads(5)) == 2
-        assert engine.stats()["store"]["rejected_chunks"] == 3
+        assert engine.statistics().store.rejected_chunks == 3
         engine.cancel("hold")
         await engine.wait_quiet()
         assert await engine.store(tokens(5, salt=2), payloads(5)) == 5  # evicts now
@@ -294,8 +294,8 @@ async def test_d04_cancel_in_flight_prefetch_stops_loads_and_releases(
         answers: list[int] = []
         engine.start_lookup("inflight", hashes, offsets(6), on_answer=answers.append)
         await trio.testing.wait_all_tasks_blocked()
-        assert engine.stats()["inflight_lookups"] == 1
-        assert engine.stats()["pinned_chunks"] == 6
+        assert engine.statistics().lookups.inflight == 1
+        assert engine.statistics().pinned_chunks == 6
         engine.cancel("inflight")
         await engine.wait_quiet()
         disk.load_gate.set()
@@ -320,7 +320,7 @@ async def test_d05_failing_tier_answers_prefix_before_it_at_once(
             assert [bytes(b.view()) for _, b in chunks] == data[:2]
         await engine.wait_quiet()
         assert_conserved(engine, faults=True)
-        assert engine.stats()["lookups"]["failed"] == 0  # a tier's failure is not the engine's
+        assert engine.statistics().lookups.failed == 0  # a tier's failure is not the engine's
         broken.load_error = None
         broken.probe_error = RuntimeError("probe broke")
         assert await engine.lookup_and_prefetch("g", hashes, offsets(5)) == 8
@@ -349,7 +349,7 @@ async def test_d05_hanging_tier_is_bounded_by_tier_timeout(
         engine.cancel("h2")
         await engine.wait_quiet()
         assert_conserved(engine, faults=True)
-        assert engine.stats()["lookups"]["failed"] == 0
+        assert engine.statistics().lookups.failed == 0
         assert hung.stats.errors == 2
 
 
@@ -596,8 +596,8 @@ async def test_d04_cancel_in_flight_disk_prefetch_stops_reads_and_releases(
                 hashes = engine.hasher.hash(toks)
                 engine.start_lookup("L", hashes, offsets(6), on_answer=answers.append)
                 assert await gate.wait_for_waiting(1)
-                assert engine.stats()["inflight_lookups"] == 1
-                assert engine.stats()["pinned_chunks"] == 6
+                assert engine.statistics().lookups.inflight == 1
+                assert engine.statistics().pinned_chunks == 6
                 engine.cancel("L")
                 gate.open()  # the read in flight finishes; no other read may start
                 await engine.wait_quiet()
@@ -819,7 +819,7 @@ async def test_claimed_and_cancelled_results_do_not_pile_up_in_the_expiry_queue(
             else:
                 engine.cancel(f"r{i}")
         assert len(engine._lookups._expiries) < 2 * 1024 + len(kept)
-        assert engine.stats()["held_lookups"] == len(kept)
+        assert engine.statistics().lookups.held == len(kept)
         for lookup_id in kept:
             with engine.claim(lookup_id) as chunks:
                 assert len(chunks) == 2
@@ -870,5 +870,5 @@ async def test_wait_quiet_waits_for_every_held_result_with_or_without_a_task(
         assert waited.cancelled_caught  # "task" is still held
         await engine.wait_quiet()  # until "task" expires
         assert trio.current_time() == pytest.approx(held_at + 10.0)
-        assert engine.stats()["lookups"]["expired"] == 1
+        assert engine.statistics().lookups.expired == 1
         assert_conserved(engine)

@@ -19,7 +19,9 @@ import trio.testing
 
 from lmprefetch import PrefetchConfig, open_engine
 from lmprefetch.events import BlockRemoved, BlockStored, ChunkBlocks
+from lmprefetch.lookup import LookupStatistics
 from lmprefetch.prefetch import LookupState
+from lmprefetch.store import StoreStatistics
 from lmprefetch.wiring import _check_machine_memory
 
 from .fakes import FakeTier
@@ -114,29 +116,29 @@ async def test_every_counter_counts_each_event_exactly_once(
         disk.load_hang = False
 
         await engine.wait_quiet()
-        stats = engine.stats()
-        assert stats["lookups"] == {
-            "started": 3 + 4 + 3 + 2 + 2 + 2 + 2 + 3,
-            "hits": 3 + 4 + 3 + 1,  # broken1's disk hit was answered (not delivered)
-            "misses": 2 + 2 + 2 + 1 + 3,
-            "hit_tokens": 6 * 2 * CHUNK + 5 * 3 * CHUNK,
-            "claimed": 3,
-            "cancelled": 4,
-            "expired": 4,
-            "failed": 2,
-            "malformed": 5,
-            "deadline_expired": 2,
+        stats = engine.statistics()
+        assert stats.lookups == LookupStatistics(
+            started=3 + 4 + 3 + 2 + 2 + 2 + 2 + 3,
+            hits=3 + 4 + 3 + 1,  # broken1's disk hit was answered (not delivered)
+            misses=2 + 2 + 2 + 1 + 3,
+            hit_tokens=6 * 2 * CHUNK + 5 * 3 * CHUNK,
+            claimed=3,
+            cancelled=4,
+            expired=4,
+            failed=2,
+            malformed=5,
+            deadline_expired=2,
             # Every lookup that found chunks loaded them all (the "always" policy): the
             # 11 hits and the three disk hits whose loads failed.
-            "policy_loaded": 3 + 4 + 3 + 1 + 3,
-            "policy_truncated": 0,
-            "policy_skipped": 0,
-            "deadline_cut": 0,
-            "inflight": 0,
-            "held": 0,
-        }
-        assert stats["store"] == {"chunks_stored": 2, "rejected_chunks": 0}
-        assert stats["tiers"]["disk"]["errors"] == 3
+            policy_loaded=3 + 4 + 3 + 1 + 3,
+            policy_truncated=0,
+            policy_skipped=0,
+            deadline_cut=0,
+            inflight=0,
+            held=0,
+        )
+        assert stats.store == StoreStatistics(chunks_stored=2, rejected_chunks=0)
+        assert stats.tier("disk").errors == 3
         assert_conserved(engine, faults=True)
 
 
@@ -155,7 +157,7 @@ async def test_a_failed_lookup_answers_0_even_with_chunks_to_skip(
         engine.arena.allocate_many = bug  # type: ignore[method-assign,assignment]
         assert await engine.lookup_and_prefetch("a", hashes, offsets(4)) == 0
         assert await engine.lookup_and_prefetch("b", hashes, offsets(4), skip_chunks=2) == 0
-        assert engine.stats()["lookups"]["failed"] == 2
+        assert engine.statistics().lookups.failed == 2
         await engine.wait_quiet()
         assert engine.lookup_state("a") is engine.lookup_state("b") is None
         assert_conserved(engine, faults=True)
@@ -186,9 +188,9 @@ async def test_tier_load_times_are_the_loads_durations(
         assert await engine.lookup_and_prefetch("slow", hashes, offsets(4)) == 4 * CHUNK
         elapsed = trio.current_time() - t0
         engine.cancel("slow")
-        tier = engine.stats()["tiers"]["disk"]
-        assert tier["load_seconds"] == pytest.approx(4 * 0.1)
-        assert tier["busy_seconds"] == pytest.approx(4 * 0.1)
+        tier = engine.statistics().tier("disk")
+        assert tier.load_seconds == pytest.approx(4 * 0.1)
+        assert tier.busy_seconds == pytest.approx(4 * 0.1)
         assert elapsed == pytest.approx(4 * 0.1)
 
 
@@ -272,8 +274,15 @@ async def test_is_idle_needs_every_part_of_the_invariant(
                 buf = engine.arena.allocate()
                 assert buf is not None
                 undo.callback(buf.release)
-            assert engine.stats()[broken] > (engine.stats()["cpu_resident_bytes"]
-                                             if broken == "arena_used_bytes" else 0)  # fmt: skip
+            stats = engine.statistics()
+            now = {
+                "inflight_lookups": stats.lookups.inflight,
+                "held_lookups": stats.lookups.held,
+                "pinned_chunks": stats.pinned_chunks,
+                "limiter_used": stats.limiter.used,
+                "arena_used_bytes": stats.arena.used_bytes - stats.cpu_resident_bytes,
+            }
+            assert now[broken] > 0
             assert not engine.is_idle()
         disk.load_gate.set()
         await engine.wait_quiet()
@@ -302,7 +311,7 @@ async def test_a_deadline_that_passes_in_the_limiters_queue_is_a_shorter_prefix(
             await engine.lookup_and_prefetch("small", small, offsets(3), deadline=deadline)
             == CHUNK  # the CPU tier's chunk; the disk's two waited for the limiter in vain
         )
-        assert engine.stats()["lookups"]["failed"] == 0
+        assert engine.statistics().lookups.failed == 0
         with engine.claim("small") as chunks:
             assert len(chunks) == 1
         disk.load_gate.set()
@@ -320,7 +329,7 @@ async def test_a_full_arena_is_a_shorter_prefix_not_a_failure(config: PrefetchCo
         assert engine.arena.free_slots == 0
         try:
             assert await engine.lookup_and_prefetch("full", hashes, offsets(2)) == 0
-            assert engine.stats()["lookups"]["failed"] == 0
+            assert engine.statistics().lookups.failed == 0
         finally:
             engine.arena.release_all(taken)
         await engine.wait_quiet()
@@ -343,10 +352,10 @@ async def test_parts_past_a_hole_give_their_buffers_back_at_once(config: Prefetc
         farther.data[keys[4]] = data[4]
         assert await engine.lookup_and_prefetch("holed", hashes, offsets(5)) == CHUNK
         assert far.chunks_read == 2 and farther.chunks_read == 1  # loaded, but past the hole
-        stats = engine.stats()
-        assert stats["held_lookups"] == 1
+        stats = engine.statistics()
+        assert stats.lookups.held == 1
         slot = engine.arena.slot_bytes
-        assert stats["arena_used_bytes"] - stats["cpu_resident_bytes"] == 1 * slot
+        assert stats.arena.used_bytes - stats.cpu_resident_bytes == 1 * slot
         with engine.claim("holed") as chunks:
             assert [bytes(buf.view()) for _, buf in chunks] == data[:1]
         await engine.wait_quiet()
@@ -387,7 +396,7 @@ async def test_a_callback_that_raises_is_logged_with_its_lookup_id(
         messages = [r.getMessage() for r in caplog.records]
         assert any("answered-now-7" in m for m in messages), messages
         assert any("answered-by-task-8" in m for m in messages), messages
-        assert engine.stats()["lookups"]["failed"] == 2
+        assert engine.statistics().lookups.failed == 2
 
 
 async def test_a_records_state_ends_done_unless_claimed(config: PrefetchConfig) -> None:
@@ -422,7 +431,7 @@ async def test_stores_that_do_not_fit_count_every_rejected_chunk(config: Prefetc
             assert await engine.store(tokens(5, salt=1), payloads(5)) == 2
             # Room again only by evicting the first store's chunks, not this call's own.
             assert await engine.store(tokens(4, salt=2), payloads(4)) == 2
-            assert engine.stats()["store"]["rejected_chunks"] == 3 + 2
+            assert engine.statistics().store.rejected_chunks == 3 + 2
         finally:
             engine.arena.release_all(taken)
 
@@ -435,9 +444,9 @@ async def test_a_layerwise_chunk_that_does_not_fit_leaves_none_of_its_layers(
         taken = engine.arena.allocate_many(engine.arena.num_slots - 5)  # room for 5 layers
         try:
             assert await engine.store(tokens(3), [bytes([i]) * 64 for i in range(3)]) == 2
-            assert engine.stats()["cpu_resident_chunks"] == 4  # chunk 2's first layer is gone
+            assert engine.statistics().cpu_resident_chunks == 4  # chunk 2's first layer is gone
             assert engine.arena.free_slots == 1
-            assert engine.stats()["store"]["rejected_chunks"] == 1
+            assert engine.statistics().store.rejected_chunks == 1
         finally:
             engine.arena.release_all(taken)
 
@@ -457,7 +466,7 @@ async def test_store_says_which_payload_is_wrong_and_stores_nothing(
             match=r"^payloads\[1\]: chunk 1 has 6 bytes, not divisible by num_layers \(4\)$",
         ):
             await engine.store(tokens(2), [b"a" * 8, b"b" * 6])
-        assert engine.stats()["cpu_resident_chunks"] == 0
+        assert engine.statistics().cpu_resident_chunks == 0
 
 
 async def test_store_hashes_takes_one_block_name_per_payload(config: PrefetchConfig) -> None:
@@ -466,7 +475,7 @@ async def test_store_hashes_takes_one_block_name_per_payload(config: PrefetchCon
         blocks = [ChunkBlocks.make((1000 + i,), CHUNK) for i in range(2)]
         with pytest.raises(ValueError, match=r"^blocks: 1 for 2 payloads$"):
             await engine.store_hashes(hashes, payloads(2), blocks=blocks[:1])
-        assert engine.stats()["cpu_resident_chunks"] == 0
+        assert engine.statistics().cpu_resident_chunks == 0
         assert await engine.store_hashes(hashes, payloads(2), blocks=blocks) == 2
         stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
         assert [e.block_hashes for e in stored] == [[1000], [1001]]
@@ -535,7 +544,9 @@ async def test_stats_report_the_engines_shape_and_state(config: PrefetchConfig) 
         # The typed value behind the dict.
         typed = engine.statistics()
         assert typed.as_dict() == stats
-        assert dict(typed.tiers)["cpu"].chunks_stored == 2
+        assert typed.tier("cpu").chunks_stored == 2
+        with pytest.raises(KeyError):
+            typed.tier("disk")
 
 
 async def test_a_closed_engine_answers_0_at_once_and_holds_nothing(
@@ -589,7 +600,7 @@ async def test_a_miss_known_without_io_answers_the_skipped_tokens_at_once(
         with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
             engine.start_lookup("miss-now-5", hashes, offsets(3), on_answer=broken)
         assert any("miss-now-5" in r.getMessage() for r in caplog.records)
-        assert engine.stats()["lookups"]["failed"] == 1
+        assert engine.statistics().lookups.failed == 1
 
 
 async def test_a_one_token_chunk_is_a_hit(config: PrefetchConfig) -> None:
@@ -598,8 +609,8 @@ async def test_a_one_token_chunk_is_a_hit(config: PrefetchConfig) -> None:
         await engine.store(tokens(1), payloads(1))
         assert await engine.lookup_and_prefetch("one", hashes, [1]) == 1
         engine.cancel("one")
-        lookups = engine.stats()["lookups"]
-        assert (lookups["hits"], lookups["misses"], lookups["hit_tokens"]) == (1, 0, 1)
+        lookups = engine.statistics().lookups
+        assert (lookups.hits, lookups.misses, lookups.hit_tokens) == (1, 0, 1)
 
 
 async def test_a_result_claimed_from_the_cpu_tier_is_forgotten_at_once(
@@ -636,7 +647,7 @@ async def test_held_results_expire_in_the_order_of_their_deadlines(
         ]
         await trio.sleep_until(102 + TTL_S + 0.5)
         assert [engine.lookup_state(f"h{i}") for i in range(3)] == [None] * 3
-        assert engine.stats()["lookups"]["expired"] == 3
+        assert engine.statistics().lookups.expired == 3
 
 
 def test_a_cpu_budget_beyond_the_machine_is_refused_naming_the_field() -> None:
@@ -667,7 +678,7 @@ async def test_a_first_chunk_missing_a_layer_is_a_miss_answered_at_once(
                                   skip_chunks=1)  # fmt: skip
         assert rec.state is LookupState.DONE
         assert answers == [CHUNK] and done == [(CHUNK, 0.0)]
-        assert engine.stats()["lookups"]["failed"] == 0
+        assert engine.statistics().lookups.failed == 0
         assert_conserved(engine)
 
 
@@ -715,7 +726,7 @@ async def test_answers_given_at_once_log_a_broken_callback_with_the_lookup_id(
         assert any("malformed-3" in m for m in messages), messages
         assert any("layer-gone-4" in m for m in messages), messages
         assert [hit for hit, _ in done] == [0, 0]
-        assert engine.stats()["lookups"]["failed"] == 2
+        assert engine.statistics().lookups.failed == 2
 
 
 async def test_late_and_fully_skipped_lookups_log_a_broken_callback_with_the_lookup_id(
@@ -755,4 +766,4 @@ async def test_the_limiter_holds_half_the_arena_and_at_least_one_chunk() -> None
     for slots, expected in ((2, 1), (3, 1), (8, 4)):
         config = PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * slots)
         async with open_engine(config) as engine:
-            assert engine.stats()["limiter"]["total"] == expected, slots
+            assert engine.statistics().limiter.total == expected, slots

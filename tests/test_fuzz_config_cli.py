@@ -22,26 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmprefetch import PrefetchConfig, cli
 
+from .fuzz import budget
 from .fuzz.frames import weighted
 from .fuzz.targets import FIELDS, assert_names_what_to_fix, assert_usable, toml_keys
 
-SCALE = float(os.environ.get("LMPF_FUZZ_SCALE", "1"))
-
 
 def fuzz_settings(examples: int) -> settings:
-    return settings(
-        max_examples=max(1, int(examples * SCALE)),
-        deadline=None,
-        # No "explain" phase: it traces every line of every failing example again, which
-        # takes minutes for examples that start threads and sockets.
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
+    return budget.fuzz_settings(examples, HealthCheck.function_scoped_fixture)
 
 
 # -- values ------------------------------------------------------------------------------------

@@ -12,25 +12,19 @@ import os
 import string
 import tempfile
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmprefetch.keys import ChunkKey
 from lmprefetch.tiers import chunkfile
 
+from .fuzz import budget
 from .fuzz.frames import mutated, weighted
 from .fuzz.targets import CHUNK_KEY, CHUNK_SLOT_BYTES, check_chunk_file, check_chunk_name
 
-SCALE = float(os.environ.get("LMPF_FUZZ_SCALE", "1"))
-
 
 def fuzz_settings(examples: int) -> settings:
-    return settings(
-        max_examples=max(1, int(examples * SCALE)),
-        deadline=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    return budget.fuzz_settings(examples, HealthCheck.data_too_large)
 
 
 def _written(key: ChunkKey, payload: bytes) -> bytes:

@@ -12,7 +12,6 @@ under a deadline, never a sleep.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -22,10 +21,10 @@ import msgspec
 import pytest
 import trio
 import zmq
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmprefetch import Engine, LookupClient, PrefetchConfig, open_engine, serve_lookups
+from lmprefetch import LookupClient, PrefetchConfig, open_engine, serve_lookups
 from lmprefetch.protocol import (
     LookupRequestMsg,
     LookupResponseMsg,
@@ -36,6 +35,7 @@ from lmprefetch.protocol import (
 from lmprefetch.transport import TrioZmqSocket, make_pull
 
 from .fakes import FakeTier
+from .fuzz import budget
 from .fuzz.frames import (
     TAGS,
     cleanup_frames,
@@ -54,10 +54,10 @@ from .fuzz.targets import (
     check_worker_frame,
     classify_response_frame,
     classify_worker_frame,
+    fill_stored_prompts,
     harness_config,
     join_frames,
     known_hashes,
-    stored_prompts,
 )
 
 pytestmark = pytest.mark.filterwarnings(
@@ -66,18 +66,10 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 LIMIT_S = 60.0  # a deadline that only a lost message reaches
-SCALE = float(os.environ.get("LMPF_FUZZ_SCALE", "1"))
 
 
 def fuzz_settings(examples: int) -> settings:
-    return settings(
-        max_examples=max(1, int(examples * SCALE)),
-        deadline=None,
-        # No "explain" phase: it traces every line of every failing example again, which
-        # takes minutes for examples that start threads and sockets.
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    return budget.fuzz_settings(examples, HealthCheck.data_too_large)
 
 
 _hashes = st.one_of(st.sampled_from(known_hashes()), st.integers(-(2**63), 2**64 - 1))
@@ -143,16 +135,6 @@ def test_integer_extremes_in_every_field_decode_only_to_answerable_messages(
 
 
 # -- (b) the worker's server, over real sockets ----------------------------------------------------
-async def _fill(engine: Engine, slow: FakeTier) -> None:
-    """The harness's data: two prompts in the CPU tier, all three in the slow tier."""
-    for n, prompt in enumerate(stored_prompts()):
-        data = [bytes([n * 16 + i]) * 40 for i in range(len(prompt) // CHUNK)]
-        if n < 2:
-            await engine.store(prompt, data)
-        for key, payload in zip(engine.keys.keys(engine.hasher.hash(prompt)), data):
-            slow.data[key] = payload
-
-
 class Scheduler:
     """The scheduler's end of one worker: a blocking PUSH for requests (never at its high-water
     mark here) and a Trio-native PULL for answers, so a wait for an answer is cancelled at once
@@ -200,7 +182,7 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 open_engine(harness_config(), rank=1, world_size=2, extra_tiers=[slow]) as engine,
                 serve_lookups(engine, req, resp) as server,
             ):
-                await _fill(engine, slow)
+                await fill_stored_prompts(engine, slow)
                 for frame in frames:
                     peer.send(frame)
                 peer.send(encode(LookupRequestMsg(sentinel, [1], [CHUNK], seq=1)))
@@ -209,23 +191,23 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 answers = await peer.answers_until(
                     lambda got: any(a.lookup_id == sentinel for a in got)
                 )
-                stats = server.stats()
+                stats = server.statistics()
                 received = kinds["request"] + kinds["invalid"] + 1
-                assert stats["cleanups_received"] == kinds["cleanup"]
-                assert stats["requests_received"] == received
-                assert stats["requests_accepted"] + stats["requests_stale"] == received
+                assert stats.cleanups_received == kinds["cleanup"]
+                assert stats.requests_received == received
+                assert stats.requests_accepted + stats.requests_stale == received
                 # A stale request is dropped before it is checked (the receive-path test
                 # checks which, frame by frame).
                 most_malformed = kinds["malformed"] + kinds["invalid"]
-                assert 0 <= most_malformed - stats["messages_malformed"] <= stats["requests_stale"]
+                assert 0 <= most_malformed - stats.messages_malformed <= stats.requests_stale
                 # Every lookup still running or held answers now (a cancelled one: 0).
                 engine.cancel_all()
                 await engine.wait_quiet()
-                stats = server.stats()
-                accepted = stats["requests_accepted"]
+                stats = server.statistics()
+                accepted = stats.requests_accepted
                 # Every answer exists now: sent, or queued for the send task.
-                assert stats["answers_sent"] + stats["answers_queued"] == accepted, stats
-                assert engine.stats()["lookups"]["failed"] == 0
+                assert stats.answers_sent + stats.answers_queued == accepted, stats
+                assert engine.statistics().lookups.failed == 0
                 answers += await peer.answers_until(lambda got: len(answers) + len(got) >= accepted)
                 peer.send(encode(LookupRequestMsg(last, [1], [CHUNK], seq=1)))
                 after = await peer.answers_until(bool)
@@ -234,9 +216,9 @@ async def _serve_hostile_frames(frames: list[bytes]) -> None:
                 for key, n in seen.items():
                     assert n <= sent[key], f"{key} answered {n} times for {sent[key]} requests"
                 assert all(a.worker_id == 1 for a in answers)
-                stats = server.stats()
-                assert stats["answers_sent"] == stats["requests_accepted"] == accepted + 1
-                assert stats["answers_queued"] == 0
+                stats = server.statistics()
+                assert stats.answers_sent == stats.requests_accepted == accepted + 1
+                assert stats.answers_queued == 0
                 assert server.failure is None
                 await engine.wait_quiet()
                 assert_idle(engine)
@@ -293,9 +275,9 @@ def test_hostile_answers_never_stop_the_client_bridge(frames: list[bytes], hit: 
                 push.send(frame)
             push.send(encode(LookupResponseMsg(target, hit, seq=request.seq, worker_id=0)))
             assert client.wait(target, LIMIT_S) == hit
-            stats = client.stats()
-            assert stats["malformed_answers"] == sum(o.kind == "malformed" for o in oracle)
-            assert stats["stale_answers_dropped"] == sum(o.kind == "response" for o in oracle)
+            stats = client.statistics()
+            assert stats.malformed_answers == sum(o.kind == "malformed" for o in oracle)
+            assert stats.stale_answers_dropped == sum(o.kind == "response" for o in oracle)
             assert client._table.failure is None and client._bridge.thread.is_alive()
     finally:
         pull.close()

@@ -7,16 +7,15 @@ No vLLM engine is involved, but the package imports vLLM, so this runs with the 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    pytest.importorskip("vllm")
+from .vllm_support import vllm_imports
+
+with vllm_imports():
     from lmprefetch.integration.vllm.groups import KVGroup, KVGroups, group_hash
     from lmprefetch.integration.vllm.hits import STATE_CANDIDATES, HybridLookup
 

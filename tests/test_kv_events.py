@@ -337,7 +337,7 @@ async def test_disk_write_eviction_removal_missing_and_corrupt_each_emit_once(
             assert await engine.lookup_and_prefetch("bad", [on_disk[2]], [CHUNK]) == 0
             check_matches_tiers(ledger, engine)
             assert hashes_on(engine, "disk") == set()
-            assert engine.stats()["kv_events"]["dropped"] == 0
+            assert engine.statistics().kv_events.dropped == 0
 
 
 async def test_random_operations_keep_the_stream_equal_to_the_tiers(tmp_path: Path) -> None:
@@ -529,9 +529,10 @@ def test_worker_publishes_stores_evictions_and_its_disk_after_a_restart(
         )
         assert ledger.cleared == 1
         assert ledger.removed == 4  # two CPU and two disk evictions
-        stats = runtime.stats()
-        events = stats["kv_events"]
-        assert stats["publisher"]["events_sent"] == events["stored"] + events["removed"] + 1
+        stats = runtime.statistics()
+        events = stats.engine.kv_events
+        assert events is not None and stats.publisher is not None
+        assert stats.publisher.events_sent == events.stored + events.removed + 1
     sub.next_seq = 0  # a new publisher counts from 0
     with WorkerRuntime.start(cfg, events_endpoint=endpoint, events_topic="kv"):
         batch = sub.batch()
@@ -548,7 +549,7 @@ def test_nothing_is_published_before_a_subscriber(tmp_path: Path, subscriber: An
         assert runtime.store(tokens(2 * CHUNK, 1), payloads(2, 1)) == 2
         publisher = runtime.publisher
         assert publisher is not None
-        assert runtime.stats()["publisher"]["batches_sent"] == 0
+        assert runtime.statistics().publisher.batches_sent == 0
         assert not publisher.subscribed.is_set()
         sub = subscriber(publisher.endpoint)  # the port the OS picked
         batch = sub.batch()

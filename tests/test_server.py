@@ -74,7 +74,7 @@ async def test_request_gets_one_answer_with_seq_and_worker_id(config: PrefetchCo
             peer.request("b", [1, 2], seq=8)
             got = await peer.answer()
             assert (got.lookup_id, got.num_hit_tokens) == ("b", 0)
-            assert server.stats()["requests_received"] == 2
+            assert server.statistics().requests_received == 2
 
 
 async def test_lmcache_shaped_request_is_served(config: PrefetchConfig) -> None:
@@ -105,10 +105,10 @@ async def test_d03_cleanup_cancels_and_releases_with_no_other_traffic(
             await engine.store(toks, [b"x" * 8] * 4)
             peer.request("c", engine.hasher.hash(toks), seq=1)
             assert (await peer.answer()).num_hit_tokens == 16
-            assert engine.stats()["held_lookups"] == 1
+            assert engine.statistics().lookups.held == 1
             peer.send(encode(LookupCleanupMsg("c", seq=1)))
             # The cleanup travels on the socket; no other message follows it.
-            await poll_until(engine, lambda: engine.stats()["held_lookups"] == 0)
+            await poll_until(engine, lambda: engine.statistics().lookups.held == 0)
             assert engine.is_idle()
 
 
@@ -125,7 +125,7 @@ async def test_d06_newer_seq_cancels_older_and_stale_request_dropped(
             other = list(range(100, 108))
             await engine.store(other, [b"o" * 8] * 2)
             peer.request("r", hashes, seq=1)  # blocks in the disk load
-            await poll_until(engine, lambda: engine.stats()["inflight_lookups"] == 1)
+            await poll_until(engine, lambda: engine.statistics().lookups.inflight == 1)
             peer.request("r", engine.hasher.hash(other), seq=2)  # the id is reused
             answers = {}
             for _ in range(2):
@@ -137,7 +137,7 @@ async def test_d06_newer_seq_cancels_older_and_stale_request_dropped(
             peer.request("r", hashes, seq=1)  # stale: older than the held lookup
             peer.send(encode(LookupCleanupMsg("r", seq=2)))
             await poll_until(engine, lambda: engine.lookup_state("r") is None)
-            assert server.stats()["requests_stale"] == 1
+            assert server.statistics().requests_stale == 1
 
 
 async def test_d16_past_deadline_answers_zero_at_once(config: PrefetchConfig) -> None:
@@ -148,8 +148,8 @@ async def test_d16_past_deadline_answers_zero_at_once(config: PrefetchConfig) ->
             past_ms = int((time.time() - 1) * 1000)
             peer.request("late", engine.hasher.hash(toks), deadline_ms=past_ms)
             assert (await peer.answer()).num_hit_tokens == 0
-            assert engine.stats()["lookups"]["deadline_expired"] == 1
-            assert engine.stats()["held_lookups"] == 0
+            assert engine.statistics().lookups.deadline_expired == 1
+            assert engine.statistics().lookups.held == 0
 
 
 async def test_d16_worker_stops_at_the_request_deadline(config: PrefetchConfig) -> None:
@@ -181,8 +181,8 @@ async def test_malformed_messages_counted_and_dropped(config: PrefetchConfig) ->
             assert (got.lookup_id, got.num_hit_tokens) == ("m", 0)
             peer.request("ok", [1])
             assert (await peer.answer()).lookup_id == "ok"
-            assert server.stats()["messages_malformed"] == 4
-            assert engine.stats()["lookups"]["malformed"] == 1
+            assert server.statistics().messages_malformed == 4
+            assert engine.statistics().lookups.malformed == 1
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -274,8 +274,8 @@ async def test_a_worker_whose_scheduler_came_back_answers_without_waiting_for_a_
                     peer.request("first", [1, 2])
                     got = await peer.answer(timeout_s=20)
                     assert (got.lookup_id, got.num_hit_tokens) == ("first", 0)
-                    stats = server.stats()
-                    assert stats["answers_waited"] == 1 and stats["answers_sent"] == 1
+                    stats = server.statistics()
+                    assert stats.answers_waited == 1 and stats.answers_sent == 1
                 finally:
                     peer.close()
     finally:

@@ -176,7 +176,7 @@ async def test_two_engines_sharing_redis_keep_tenants_apart(redis_server: RedisS
             assert await two.lookup_and_prefetch("a", hasher.hash(toks, salt_a), offsets) == 12
             with two.claim("a") as items:
                 assert [bytes(buf.view()) for _, buf in items] == payloads_a
-            assert two.stats()["tiers"]["redis"]["chunks_loaded"] == 3
+            assert two.statistics().tier("redis").chunks_loaded == 3
             # Tenant B stores through server two; server one finds it under B's salt only.
             assert await two.store(toks, payloads_b, salt=salt_b) == 3
             await two.flush()

@@ -14,24 +14,17 @@ condition variable, ``Engine.wait_quiet`` on a Trio event.
 from __future__ import annotations
 
 import json
-import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from .vllm_support import expected_sources, model_runner_output, vllm_imports
 
-# vLLM and torch warn (deprecations) while importing; the suite turns warnings into errors.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    trio = pytest.importorskip("trio")
-
+with vllm_imports():
+    import torch
+    import trio
     from vllm import SamplingParams
     from vllm.config import (
         CacheConfig,
@@ -54,7 +47,7 @@ with warnings.catch_warnings():
     )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -263,7 +256,7 @@ class Harness:
         stats = worker.get_kv_connector_stats()
         worker.clear_connector_metadata()
         ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(
+        mro = model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
@@ -395,7 +388,7 @@ def test_pending_lookup_keeps_request_waiting_and_others_run(make_harness: Any) 
         assert "long" not in scheduled
         h.scheduler.update_from_output(
             out,
-            ModelRunnerOutput(
+            model_runner_output(
                 req_ids=list(out.num_scheduled_tokens),
                 req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
                 sampled_token_ids=[[7] for _ in out.num_scheduled_tokens],
@@ -954,13 +947,30 @@ def test_lmprefetch_event_batches_are_vllm_event_batches() -> None:
     assert theirs.ts == 12.5 and len(theirs.events) == 3
     for mine, vllms in zip(batch.events, theirs.events):
         assert type(mine).__name__ == type(vllms).__name__
-        assert msgspec.structs.asdict(mine) == {
-            k: v for k, v in msgspec.structs.asdict(vllms).items() if k in mine.__struct_fields__
-        }
+        common = set(mine.__struct_fields__) & set(vllms.__struct_fields__)
+        assert {k: getattr(mine, k) for k in common} == {k: getattr(vllms, k) for k in common}
     assert ours.decode_batch(msgspec.msgpack.encode(theirs)) == batch
-    # The mirror is complete: every field of vLLM's events is in lmprefetch's schema.
-    assert set(ours.BlockStored.__struct_fields__) == set(BlockStored.__struct_fields__)
-    assert set(ours.BlockRemoved.__struct_fields__) == set(BlockRemoved.__struct_fields__)
+    # The mirror is complete: every field of vLLM's events is in lmprefetch's schema (vLLM
+    # 0.34's); an older vLLM lacks only the fields newer releases added.
+    for mine_cls, vllm_cls in ((ours.BlockStored, BlockStored), (ours.BlockRemoved, BlockRemoved)):
+        assert set(vllm_cls.__struct_fields__) <= set(mine_cls.__struct_fields__)
+        assert set(mine_cls.__struct_fields__) - set(vllm_cls.__struct_fields__) <= NEWER_FIELDS
+
+
+#: Event fields of lmprefetch's schema (vLLM 0.34's) that older supported vLLMs lack.
+NEWER_FIELDS = {"lookahead_token_ids"}  # vLLM 0.33
+
+
+def test_events_reach_vllm_without_the_fields_it_lacks() -> None:
+    """The connector hands vLLM its own event classes with the fields that vLLM has: a field
+    newer than the installed vLLM is left out, not passed to a constructor that rejects it."""
+    from lmprefetch import events as ours
+    from lmprefetch.integration.vllm.connector import _to_vllm_event
+
+    event = ours.BlockStored([1], None, [5], 2, None, "CPU", None, lookahead_token_ids=None)
+    converted = _to_vllm_event(event)
+    assert type(converted) is BlockStored
+    assert converted.block_hashes == [1] and converted.medium == "CPU"
 
 
 def test_kv_events_can_be_turned_off(make_harness: Any) -> None:
@@ -1092,8 +1102,6 @@ def _stored(h: Any, seed: int, n: int = 100) -> list[int]:
 def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     make_harness: Any,
 ) -> None:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
     h = make_harness()
     prompt = _stored(h, 40)
     submitted = h.client.stats()["submitted"]
@@ -1107,7 +1115,7 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
         assert len(load.chunk_hashes) == 2
         h.assert_loaded("capped", prompt, 0, 64)
         sources = h.connector.get_external_cache_hit_sources(req, 64)
-        assert sources == {CacheHitSource.HOST: 64}  # served by the CPU tier
+        assert sources == expected_sources(HOST=64)  # served by the CPU tier
 
     out = h.step(before_forward=check)
     assert out.num_scheduled_tokens["capped"] == len(prompt) - 64
@@ -1173,8 +1181,6 @@ def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
 
 
 def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
     extra = {"disk_path": str(tmp_path / "disk")}
     prompt = tokens_of(44, 100)
     before = make_harness(extra=extra)
@@ -1188,7 +1194,7 @@ def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) 
     assert after.wait_answer("b") == 96
 
     def check(out: Any) -> None:
-        assert after.connector.get_external_cache_hit_sources(req, 96) == {CacheHitSource.DISK: 96}
+        assert after.connector.get_external_cache_hit_sources(req, 96) == expected_sources(DISK=96)
 
     after.step(before_forward=check)
     assert_worker_idle(after.wait_worker_quiet())
@@ -1259,3 +1265,59 @@ def test_connector_counters_reach_vllms_prometheus_hook() -> None:
     assert got == 2
     got = REGISTRY.get_sample_value("vllm:lmprefetch_deadline_cut_total", {"engine": "0"})
     assert got == 1
+
+
+# -- may_load_async (vLLM 0.34; called here directly, as vLLM does on arrival) -----------------
+def test_may_load_async_is_true_for_a_hit_lmprefetch_knows_and_loads_it_asynchronously(
+    make_harness: Any,
+) -> None:
+    """On arrival the lookup is pending, so the answer comes from what the workers last held:
+    nothing for a fresh prompt, the saved chunks after a request computed them.  A request
+    vLLM queued for asynchronous loads gets its hit loaded asynchronously: the load runs in
+    the step that allocates its blocks, the worker reports it in ``finished_recving``, and the
+    next step computes the rest from the right bytes."""
+    h = make_harness()
+    prompt = tokens_of(40, 100)  # 3 whole chunks + 4
+    first = h.add("first", prompt)
+    assert h.connector.may_load_async(first) is False  # nothing known yet
+    assert h.wait_answer("first") == 0
+    h.run_until_finished("first")
+    h.wait_worker_quiet()
+
+    for t in h.caches.values():
+        t.zero_()
+    second = prompt[:96] + tokens_of(41, 20)
+    req = h.add("second", second)
+    assert h.connector.may_load_async(req) is True  # pending, but its chunks were saved
+    assert h.wait_answer("second") == 96
+    assert h.connector.may_load_async(req) is True  # answered: a hit it will load
+    out = h.step(loads_after_forward=True)
+    assert not out.has_sync_kv_loads
+    assert "second" not in out.num_scheduled_tokens  # only its load ran
+    [load] = out.kv_connector_metadata.loads
+    assert load.asynchronous and (load.start_token, load.end_token) == (0, 96)
+    h.assert_loaded("second", second, 0, 96)
+    out = h.step()
+    assert out.num_scheduled_tokens["second"] == len(second) - 96
+    assert req.num_computed_tokens == len(second)
+    h.run_until_finished("second")
+    assert h.stats.data["hit_tokens"] == 96
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_may_load_async_learns_from_a_lookup_that_found_less(make_harness: Any) -> None:
+    """A chunk believed held that a lookup does not find is forgotten: the wrong guess (which
+    would hold vLLM's other asynchronous loads back) is made once."""
+    h = make_harness(role="kv_consumer")  # loads only: no save tells it the chunk again
+    prompt = tokens_of(42, 70)
+    a = h.add("a", prompt)
+    # Stale knowledge: the first chunk was held once (e.g. evicted since).
+    h.connector.scheduler_side._known.held([h.connector.scheduler_side._reqs["a"].hashes[0]])
+    b = h.add("b", prompt)
+    assert h.connector.may_load_async(b) is True
+    assert h.wait_answer("a") == 0 and h.wait_answer("b") == 0
+    h.step()  # the answers are polled: the scheduler side learns the chunk is gone
+    c = h.add("c", prompt)
+    assert h.connector.may_load_async(c) is False
+    for r in (a, b, c):
+        h.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)

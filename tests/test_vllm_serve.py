@@ -250,8 +250,8 @@ def test_bench_serve_redis_link_scenarios_serve_every_hit_from_redis(tmp_path: P
     up in a private network namespace of the benchmark's own, the measured server's hits all
     come from Redis, and the figures and goals are in the JSON.  (``nox -s slow_link``: not
     in ``ci``; nothing is timed here, the goals are benchmark figures.)"""
+    from lmprefetch.bench.serve.link_scenario import has_load_policy
     from lmprefetch.bench.serve.options import LINK_SCENARIOS
-    from lmprefetch.bench.serve.run import has_load_policy
 
     names = list(LINK_SCENARIOS.values())
     out = tmp_path / "result.json"

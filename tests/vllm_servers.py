@@ -2,16 +2,17 @@
 processes on free loopback ports, with or without lmprefetch's connector.
 
 Servers are started and stopped by their own process group (``lmprefetch.bench.serve.procs``);
-vLLM's own prefix cache is off in every server, so every cached token a response reports was
-served by lmprefetch.  Import this only from a test module that has skipped itself without vLLM
-and httpx (``pytest.importorskip``).
+vLLM's own prefix cache is off unless a server's :class:`ServerOptions` turn it on, so every
+cached token a response reports was served by lmprefetch.  Import this only from a test module
+that has skipped itself without vLLM and httpx (``pytest.importorskip``).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import trio
 from lmprefetch.bench.serve.client import Completion, complete, metrics_delta, scrape_metrics
 from lmprefetch.bench.serve.model import TINY_LLAMA, kv_bytes_per_token
 from lmprefetch.bench.serve.procs import ManagedProcess, ProcessSet, free_port
-from lmprefetch.bench.serve.run import base_env, private_dirs, server_argv
+from lmprefetch.bench.serve.servers import base_env, private_dirs, server_argv
 
 CHUNK = 64
 BLOCK = 32
@@ -44,10 +45,13 @@ def whole_chunks(prompt: Sequence[int]) -> int:
     return len(prompt) // CHUNK * CHUNK
 
 
-def connector_config(**extra: Any) -> dict[str, Any]:
+def connector_config(*, by_name: bool = False, **extra: Any) -> dict[str, Any]:
+    """lmprefetch's ``--kv-transfer-config``: by module path, or (``by_name``) by the name its
+    vLLM plugin registers (needs lmprefetch installed, entry point and all)."""
+    module = {} if by_name else {"kv_connector_module_path": "lmprefetch.integration.vllm"}
     return {
         "kv_connector": "LMPrefetchConnector",
-        "kv_connector_module_path": "lmprefetch.integration.vllm",
+        **module,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         # A generous lookup deadline: a busy machine must not turn a hit into a miss.
@@ -94,17 +98,35 @@ def write_random_llama(directory: Path) -> Path:
     return directory
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """How one server differs from the others: vLLM's own prefix cache (off by default, so
+    that every cached token is lmprefetch's), more command-line arguments, more environment."""
+
+    prefix_caching: bool = False
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+
+
 @asynccontextmanager
 async def vllm_servers(
-    tmp: Path, configs: Sequence[dict[str, Any] | None]
+    tmp: Path,
+    configs: Sequence[dict[str, Any] | None],
+    *,
+    options: Sequence[ServerOptions] | None = None,
+    model: Path | None = None,
 ) -> AsyncIterator[list[Server]]:
-    """One vLLM server per entry of ``configs`` (a ``--kv-transfer-config``, or None)."""
-    model = write_random_llama(tmp / "model")
+    """One vLLM server per entry of ``configs`` (a ``--kv-transfer-config``, or None), with
+    the matching ``options``, serving ``model`` (default: the tiny random Llama)."""
+    if model is None:
+        model = write_random_llama(tmp / "model")
+    per_server = list(options) if options is not None else [ServerOptions()] * len(configs)
+    assert len(per_server) == len(configs)
     async with private_dirs() as (_, runtime), trio.open_nursery() as nursery:
         procs = ProcessSet(nursery)
         servers = []
         try:
-            for i, config in enumerate(configs):
+            for i, (config, opts) in enumerate(zip(configs, per_server)):
                 port = free_port()
                 argv = server_argv(
                     sys.executable,
@@ -113,13 +135,16 @@ async def vllm_servers(
                     max_model_len=1024,
                     block_size=BLOCK,
                     kv_pool_bytes=POOL_TOKENS * kv_bytes_per_token(TINY_LLAMA),
-                    prefix_caching=False,
+                    prefix_caching=opts.prefix_caching,
                     kv_transfer_config=config,
                     load_format="safetensors",
                 )
+                env = base_env(runtime)
+                env.update(opts.env or {})
                 proc = ManagedProcess(
-                    f"server {i}", argv, base_env(runtime), "Application startup complete", cwd=tmp
-                )
+                    f"server {i}", [*argv, *opts.args], env, "Application startup complete",
+                    cwd=tmp,
+                )  # fmt: skip
                 await procs.start(proc, STARTUP_TIMEOUT_S)
                 client = httpx.AsyncClient(
                     base_url=f"http://127.0.0.1:{port}",

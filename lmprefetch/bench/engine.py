@@ -20,6 +20,9 @@ Every figure that has a goal is printed with it and marked ``✓`` or ``✗ MISS
 the case's limit measured in the same run (:data:`LIMITS`) and the load average.  Timings are
 medians over ``--repeats``; the ratios are medians of per-sample ratios, with their
 interquartile range.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ What is measured on the LMCache side (CPU only: no vLLM, no GPU, no ZeroMQ):
 LMCache does not verify what it reads from disk (lmprefetch checks a checksum, D17), and it
 leaks a disk-metadata pin per prefetched chunk (D02): :attr:`LMCachePeer.disk_metadata_pins`
 says how many after the run.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

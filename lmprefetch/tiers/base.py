@@ -21,6 +21,9 @@ Rules every tier keeps:
   when a key becomes loadable from it, ``_note_removed(key)`` when it stops being (evicted,
   removed, found missing or corrupt).  The engine's KV-event tracker listens
   (:mod:`lmprefetch.events`); with no listener these cost one attribute test.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 import trio
 
+from .._stats import snapshot
 from ..keys import ChunkKey
 from ..memory import Buffer
 from ..policy import EWMA_ALPHA, TierCost
@@ -39,6 +43,7 @@ __all__ = [
     "BaseTier",
     "ResidencyListener",
     "Tier",
+    "TierCounters",
     "TierStatistics",
     "TierStats",
     "WriteBehindTier",
@@ -46,20 +51,27 @@ __all__ = [
 ]
 
 
-class TierStatistics(msgspec.Struct, frozen=True, gc=False):
-    """A snapshot of one tier's counters (see :class:`TierStats` for their meaning)."""
+class TierCounters(msgspec.Struct, gc=False):
+    """One tier's counters (every count since it opened) and cost estimates, declared once: the
+    live ones are its :class:`TierStats`, a snapshot is a :class:`TierStatistics`."""
 
-    probes: int
-    hits: int
-    chunks_loaded: int
-    bytes_loaded: int
-    chunks_stored: int
-    bytes_stored: int
-    writes_dropped: int
-    evictions: int
-    errors: int
-    load_seconds: float
-    busy_seconds: float
+    #: Probes, and probes that found at least one key.
+    probes: int = 0
+    hits: int = 0
+    #: Chunks and payload bytes loaded into arena buffers; stored into the tier.
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    chunks_stored: int = 0
+    bytes_stored: int = 0
+    #: Write-behind chunks dropped instead of written, and entries evicted.
+    writes_dropped: int = 0
+    evictions: int = 0
+    #: Calls that failed or timed out.
+    errors: int = 0
+    #: Time spent in this tier's loads, summed over loads (overlapping loads add up).
+    load_seconds: float = 0.0
+    #: Wall time during which at least one load of this tier was in flight.
+    busy_seconds: float = 0.0
     #: Moving averages of one call's latency (a probe: no payload) and of load throughput
     #: (payload bytes over a load's time past that latency); ``None`` until measured.  The
     #: ``cost`` load policy reads them (:mod:`lmprefetch.policy`).
@@ -67,46 +79,17 @@ class TierStatistics(msgspec.Struct, frozen=True, gc=False):
     load_bytes_per_s_ewma: float | None = None
 
 
-class TierStats:
-    """Counters every tier keeps, as it goes (:meth:`statistics` takes a frozen snapshot for
-    ``Engine.statistics()`` and the metrics exporter)."""
+class TierStatistics(TierCounters, frozen=True, gc=False):  # type: ignore[misc]
+    """A snapshot of one tier's counters (see :class:`TierCounters` for their meaning)."""
 
-    __slots__ = (
-        "_busy_since",
-        "_loads_active",
-        "busy_seconds",
-        "bytes_loaded",
-        "bytes_stored",
-        "chunks_loaded",
-        "chunks_stored",
-        "errors",
-        "evictions",
-        "hits",
-        "latency_s_ewma",
-        "load_bytes_per_s_ewma",
-        "load_seconds",
-        "probes",
-        "writes_dropped",
-    )
 
-    def __init__(self) -> None:
-        self.probes = 0
-        self.hits = 0
-        self.chunks_loaded = 0
-        self.bytes_loaded = 0
-        self.chunks_stored = 0
-        self.bytes_stored = 0
-        self.writes_dropped = 0
-        self.evictions = 0
-        self.errors = 0
-        #: Time spent in this tier's loads, summed over loads (overlapping loads add up).
-        self.load_seconds = 0.0
-        #: Wall time during which at least one load of this tier was in flight.
-        self.busy_seconds = 0.0
-        self._loads_active = 0
-        self._busy_since = 0.0
-        self.latency_s_ewma: float | None = None
-        self.load_bytes_per_s_ewma: float | None = None
+class TierStats(TierCounters, gc=False):
+    """The counters a tier keeps, as it goes, and the bookkeeping of its busy time
+    (:meth:`statistics` takes a frozen snapshot for ``Engine.statistics()`` and the metrics
+    exporter)."""
+
+    _loads_active: int = 0
+    _busy_since: float = 0.0
 
     def load_started(self, now: float) -> None:
         if self._loads_active == 0:
@@ -135,24 +118,7 @@ class TierStats:
         return TierCost(self.latency_s_ewma, self.load_bytes_per_s_ewma)
 
     def statistics(self) -> TierStatistics:
-        return TierStatistics(
-            probes=self.probes,
-            hits=self.hits,
-            chunks_loaded=self.chunks_loaded,
-            bytes_loaded=self.bytes_loaded,
-            chunks_stored=self.chunks_stored,
-            bytes_stored=self.bytes_stored,
-            writes_dropped=self.writes_dropped,
-            evictions=self.evictions,
-            errors=self.errors,
-            load_seconds=self.load_seconds,
-            busy_seconds=self.busy_seconds,
-            latency_s_ewma=self.latency_s_ewma,
-            load_bytes_per_s_ewma=self.load_bytes_per_s_ewma,
-        )
-
-    def as_dict(self) -> dict[str, float]:
-        return msgspec.structs.asdict(self.statistics())
+        return snapshot(TierStatistics, self)
 
 
 def _ewma(old: float | None, sample: float) -> float:

@@ -39,6 +39,9 @@ timestamps (coarse clocks; 1 s or 2 s on some file systems): git's "racy" files.
 does, an identity is trusted only when the file's timestamps are older than the verification by
 more than :data:`RACY_NS` (:func:`may_trust`); a younger file is verified again on every read
 until it is old enough.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ pin or with any owner besides the cache is never evicted.
 
 Cancellation: the probe has one checkpoint, *before* it counts and pins (so a cancelled probe
 pins nothing); :meth:`CpuTier.acquire`, :meth:`CpuTier.put` and eviction are synchronous.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ fails its checksum and is dropped on the first read.
 Races between a load, the writer and :meth:`DiskTier.remove` on the same key can at worst make a
 later load miss (and drop the key); they can never make a load return wrong bytes, because every
 read checks the key and the checksum in the file itself.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from ..memory import Buffer
 from . import chunkfile
 from .base import BaseTier
 from .chunkfile import HEADER_BYTES, MAGIC, FileIdentity
-from .writebehind import WriteBehindQueue, WriteEntry
+from .writebehind import WriteBehindQueue, WriteEntry, WritesBehind
 
 __all__ = ["HEADER_BYTES", "MAGIC", "DiskTier", "open_disk_tier"]
 
@@ -148,7 +151,7 @@ async def _set_when_cancelled(stop: threading.Event) -> None:
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
-class DiskTier(BaseTier):
+class DiskTier(WritesBehind, BaseTier):
     """Chunk files under ``path``, with an LRU index in memory.
 
     Build it with :func:`open_disk_tier`, which rebuilds the index from the directory and runs
@@ -490,18 +493,6 @@ class DiskTier(BaseTier):
             return False
         return self._writes.put(key, buf)
 
-    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
-        """:meth:`enqueue_write` (the file is written behind; see :meth:`flush`)."""
-        await trio.lowlevel.checkpoint()
-        return self.enqueue_write(key, payload)
-
-    async def flush(self) -> None:
-        """Wait until every write queued before this call is on disk (or was dropped).
-
-        Cancellation: waiting is cancellable; the writes go on.
-        """
-        await self._writes.flush()
-
     async def _run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
         """The write-behind task: writes queued chunks one at a time, in order, until
@@ -609,10 +600,7 @@ class DiskTier(BaseTier):
         Writes queued from here on are dropped.  Writes still queued when the time is up are
         dropped and their buffer references released.  Idempotent.
         """
-        self._writes.close()
-        with trio.move_on_after(self.close_timeout_s, shield=True) as timeout:
-            await self.flush()
-        if timeout.cancelled_caught:
+        if not await self._flush_before_close(self.close_timeout_s):
             log.warning("disk tier: close gave up flushing after %.1f s, dropping %d writes",
                         self.close_timeout_s, self._writes.pending)
         if self._writer_scope is not None:
@@ -628,11 +616,6 @@ class DiskTier(BaseTier):
     def used_bytes(self) -> int:
         """Bytes of the indexed chunk files, headers included."""
         return self._used_bytes
-
-    @property
-    def pending_writes(self) -> int:
-        """Writes queued or being written."""
-        return self._writes.pending
 
     def keys(self) -> list[ChunkKey]:
         """Indexed keys, least recently used first."""

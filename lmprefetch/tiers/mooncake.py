@@ -75,6 +75,9 @@ payload is stored as is, which keeps loads and stores zero-copy.
 
 **Pins.**  Nothing is pinned remotely; the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s
 bookkeeping so ``pinned_count()`` shows what the engine still has to unpin.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
@@ -82,10 +85,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Final, TypeVar
 
 import trio
@@ -93,13 +95,31 @@ import trio
 from ..config import MOONCAKE_SEGMENT_MIN, PrefetchConfig, parse_host_port
 from ..keys import ChunkKey
 from ..memory import Arena, Buffer
-from .base import BaseTier
-from .writebehind import WriteBehindQueue, WriteEntry
+from .mooncake_store import (
+    INVALID_PARAMS,
+    MISSING,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_HAS_LEASE,
+    MooncakeStore,
+    code_name,
+    set_environment,
+)
+from .remote import (
+    CLOSE_TIMEOUT_S,
+    CONNECT_SLACK_S,
+    KEY_PREFIX,
+    RemoteTier,
+    Unavailable,
+    load_batches,
+)
+from .writebehind import WriteEntry
 
 __all__ = [
+    "CLOSE_TIMEOUT_S",
+    "CONNECT_SLACK_S",
     "KEY_PREFIX",
+    "MooncakeStore",
     "MooncakeTier",
-    "check_installed",
     "mooncake_key",
     "open_mooncake_tier",
     "open_mooncake_tier_from_config",
@@ -108,26 +128,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-#: Prefix of every object key this tier writes (the Redis tier's too: the same key).
-KEY_PREFIX: Final = "lmprefetch:"
-
-# Mooncake's result codes (mooncake-store/include/types.h) that the tier tells apart.
-_INVALID_PARAMS: Final = -600  # batch_get_into: the object is larger than the buffer
-_REPLICA_IS_NOT_READY: Final = -703  # being written
-_OBJECT_NOT_FOUND: Final = -704
-_OBJECT_ALREADY_EXISTS: Final = -705
-_OBJECT_HAS_LEASE: Final = -706
-_REPLICA_NOT_FOUND: Final = -710
-_REPLICA_IS_GONE: Final = -712
-#: Codes that mean "not there (any more)": a hole, not an error.
-_MISSING: Final = frozenset({_OBJECT_NOT_FOUND, _REPLICA_IS_NOT_READY, _REPLICA_NOT_FOUND,
-                             _REPLICA_IS_GONE})  # fmt: skip
-_CODE_NAMES: Final = {
-    -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS",
-    -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
-    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
-}  # fmt: skip
 
 # One load batch: one thread call, waited for whole when the load is cancelled.
 _LOAD_BATCH_KEYS: Final = 16
@@ -140,12 +140,9 @@ _WRITE_BATCH_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_THREADS: Final = 4
 #: Chunks waiting for their write-behind; past it writes are dropped and counted.
 DEFAULT_WRITE_QUEUE: Final = 1024
-#: How long closing waits for queued writes, then for threads, then for the client's teardown.
-CLOSE_TIMEOUT_S: Final = 10.0
-#: Opening the tier waits this long on top of ``timeout_s`` for a client to be set up (it
-#: connects to the master and mounts the segment; against a master that is down, Mooncake
-#: spends about 4.5 s on it); past it the tier opens without one and sets it up meanwhile.
-CONNECT_SLACK_S: Final = 5.0
+# Opening the tier waits CONNECT_SLACK_S on top of ``timeout_s`` for a client to be set up (it
+# connects to the master and mounts the segment; against a master that is down, Mooncake
+# spends about 4.5 s on it); past it the tier opens without one and sets it up meanwhile.
 #: The longest :meth:`MooncakeTier.remove` waits for readers' leases on the object to end.
 REMOVE_LEASE_WAIT_S: Final = 15.0
 _REMOVE_POLL_S: Final = 0.05
@@ -156,57 +153,11 @@ def mooncake_key(key: ChunkKey) -> str:
     return KEY_PREFIX + key.to_string()
 
 
-def _code(rc: int) -> str:
-    return f"{rc} ({_CODE_NAMES.get(rc, 'error')})"
-
-
-def _set_mooncake_environment(timeout_s: float, metadata_server: str, local_host: str) -> None:
-    """Bound Mooncake's own waits by ``timeout_s`` (see the module docstring), and give it the
-    address to advertise, where the environment does not set them already.  Process-wide: the
-    first tier of a process sets them, before its first client exists, and Mooncake reads them
-    as its clients connect.
-
-    (With a metadata server, Mooncake's transfer engine ignores the local hostname and
-    advertises the first non-loopback address of the machine, or ``MC_TCP_BIND_ADDRESS``: so
-    that ``local_hostname`` means the same in both modes, it goes there.)"""
-    ms = str(max(1, round(timeout_s * 1000)))
-    seconds = str(max(1, math.ceil(timeout_s)))
-    settings = [
-        ("MC_RPC_TIMEOUT_MS", ms),
-        ("MC_RPC_CONNECT_TIMEOUT_MS", ms),
-        ("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds),
-        ("MC_TCP_STATUS_TIMEOUT_SEC", seconds),
-        ("MC_STORE_CLIENT_SETUP_RETRIES", "1"),
-    ]
-    if metadata_server != "P2PHANDSHAKE":
-        settings.append(("MC_TCP_BIND_ADDRESS", local_host))
-    for name, value in settings:
-        if name not in os.environ:
-            os.environ[name] = value
-
-
-def check_installed() -> None:
-    """Raise a one-line ``ValueError`` naming the extra when Mooncake's client cannot be
-    imported (the package is missing, or ``libibverbs`` is, which even TCP needs)."""
-    try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
-    except ImportError as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        hint = " (and apt-get install libibverbs1)" if "libibverbs" in detail else ""
-        raise ValueError(
-            "mooncake_master: the Mooncake tier needs the mooncake extra: python -m pip "
-            f"install 'lmprefetch[mooncake]'{hint}; importing mooncake.store failed: {detail}"
-        ) from None
-
-
-def _default_store_factory() -> Any:
+def _default_store_factory() -> MooncakeStore:
     from mooncake.store import MooncakeDistributedStore
 
-    return MooncakeDistributedStore()
-
-
-class _Unavailable(Exception):
-    """A call did not happen or failed (already counted); the caller stops here."""
+    store: MooncakeStore = MooncakeDistributedStore()
+    return store
 
 
 class _SetupFailed(Exception):
@@ -214,21 +165,25 @@ class _SetupFailed(Exception):
 
 
 # -- what runs in worker threads -----------------------------------------------------------------
-def _exist(store: Any, names: list[str]) -> list[int]:
+def _exist(store: MooncakeStore, names: list[str]) -> list[int]:
     return list(store.batch_is_exist(names))
 
 
-def _get_into(store: Any, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+def _get_into(
+    store: MooncakeStore, names: list[str], addresses: list[int], sizes: list[int]
+) -> list[int]:
     """Read each object into its buffer (the thread that writes arena memory)."""
     return list(store.batch_get_into(names, addresses, sizes))
 
 
-def _put_from(store: Any, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+def _put_from(
+    store: MooncakeStore, names: list[str], addresses: list[int], sizes: list[int]
+) -> list[int]:
     """Store each object from its buffer (the thread that reads arena memory)."""
     return list(store.batch_put_from(names, addresses, sizes))
 
 
-def _remove(store: Any, name: str) -> int:
+def _remove(store: MooncakeStore, name: str) -> int:
     return int(store.remove(name))
 
 
@@ -236,7 +191,7 @@ def _slot_address(buf: Buffer) -> int:
     return buf.arena.address + buf.index * buf.capacity
 
 
-class MooncakeTier(BaseTier):
+class MooncakeTier(RemoteTier):
     """Chunks in Mooncake Store, through one Mooncake client.
 
     Open it with :func:`open_mooncake_tier`, which sets the client up, registers the arena and
@@ -259,13 +214,16 @@ class MooncakeTier(BaseTier):
         backoff_initial_s: first backoff after a failure; doubles on every further failure.
         backoff_max_s: ceiling of the backoff.
         rdma_devices: RDMA devices (``protocol="rdma"``; empty: Mooncake chooses).
-        store_factory: makes a ``MooncakeDistributedStore`` (tests pass a fake).
+        store_factory: makes a client (default: a ``MooncakeDistributedStore``; tests pass a
+            fake).
 
     Raises:
         ValueError: a setting is out of range (``master`` not ``host:port``, ...).
     """
 
     name = "mooncake"
+    write_batch_keys = _WRITE_BATCH_KEYS
+    write_batch_bytes = _WRITE_BATCH_BYTES
 
     def __init__(
         self,
@@ -281,46 +239,36 @@ class MooncakeTier(BaseTier):
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         rdma_devices: str = "",
-        store_factory: Callable[[], Any] | None = None,
+        store_factory: Callable[[], MooncakeStore] | None = None,
     ) -> None:
-        super().__init__()
         parse_host_port(master)
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
-        if threads < 1 or write_queue < 1:
-            raise ValueError("threads and write_queue must be at least 1")
+        super().__init__(
+            timeout_s=timeout_s,
+            threads=threads,
+            write_queue=write_queue,
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
+        )
         if segment_bytes != 0 and segment_bytes < MOONCAKE_SEGMENT_MIN:
             raise ValueError(
                 f"segment_bytes: must be 0 or at least {MOONCAKE_SEGMENT_MIN} (Mooncake's "
                 f"least), got {segment_bytes}"
             )
-        if not 0 < backoff_initial_s <= backoff_max_s:
-            raise ValueError("backoff: need 0 < backoff_initial_s <= backoff_max_s")
         self.master = master.strip()
         self.metadata_server = metadata_server
         self.protocol = protocol
         self.local_hostname = local_hostname
         self.segment_bytes = segment_bytes
         self.rdma_devices = rdma_devices
-        self._timeout_s = timeout_s
         self._factory = store_factory or _default_store_factory
-        self._limiter = trio.CapacityLimiter(threads)
         self._setup_limiter = trio.CapacityLimiter(1)
-        # Guards the hand-over of a client between threads and the Trio thread, and the
-        # registered arenas: a thread that set a client up publishes it here, unless the tier
-        # closed meanwhile (then the thread closes it itself).
-        self._lock = threading.Lock()
-        self._store: Any = None
+        # The client, published under self._lock by the thread that set it up (unless the
+        # tier closed meanwhile: then that thread closes it itself); the lock also guards the
+        # registered arenas.
+        self._store: MooncakeStore | None = None
         self._connected = trio.Event()  # set on the Trio thread once a client is set up
         self._arenas: list[Arena] = []  # registered (to be registered) with every client
         self._registered: dict[int, Arena] = {}  # id(arena) -> arena, on the current client
-        self._closed = False
-        # backoff state (Trio thread only)
-        self._backoff_initial_s = backoff_initial_s
-        self._backoff_max_s = backoff_max_s
-        self._next_backoff_s = backoff_initial_s
-        self._retry_at = -math.inf
-        self._writes = WriteBehindQueue(write_queue, self.stats)
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -332,37 +280,11 @@ class MooncakeTier(BaseTier):
         """Wait until a client is set up (the tier's own task keeps trying meanwhile)."""
         await self._connected.wait()
 
-    @property
-    def backing_off(self) -> bool:
-        """``True`` while the tier answers without touching the network after a failure."""
-        return trio.current_time() < self._retry_at
-
-    @property
-    def retry_at(self) -> float:
-        """The ``trio.current_time()`` from which calls are tried again (``-inf`` if not
-        backing off)."""
-        return self._retry_at
-
     def _usable(self) -> bool:
-        return self._store is not None and not self._closed and not self.backing_off
+        return self._store is not None and super()._usable()
 
-    def _failed(self, what: str, cause: object) -> None:
-        self.stats.errors += 1
-        if not self.backing_off:
-            log.warning(
-                "mooncake tier: %s failed (%s); backing off %.3g s",
-                what,
-                cause if cause is not None else "no answer",
-                self._next_backoff_s,
-            )
-        self._retry_at = trio.current_time() + self._next_backoff_s
-        self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_max_s)
-
-    def _succeeded(self) -> None:
-        if self._next_backoff_s != self._backoff_initial_s:
-            log.info("mooncake tier: calls succeed again")
-        self._retry_at = -math.inf
-        self._next_backoff_s = self._backoff_initial_s
+    def _limiters(self) -> Sequence[trio.CapacityLimiter]:
+        return (self._limiter, self._setup_limiter)
 
     # -- the client ----------------------------------------------------------------------
     def add_arena(self, arena: Arena) -> None:
@@ -373,7 +295,7 @@ class MooncakeTier(BaseTier):
             if all(a is not arena for a in self._arenas):
                 self._arenas.append(arena)
 
-    def _register(self, store: Any, arenas: Sequence[Arena]) -> None:
+    def _register(self, store: MooncakeStore, arenas: Sequence[Arena]) -> None:
         """(Worker thread.)  Register each of ``arenas`` that is not yet registered with the
         client.  Raises :class:`_SetupFailed` when Mooncake refuses."""
         with self._lock:
@@ -382,7 +304,7 @@ class MooncakeTier(BaseTier):
                     continue
                 rc = int(store.register_buffer(arena.address, arena.total_bytes))
                 if rc != 0:
-                    raise _SetupFailed(f"register_buffer of an arena returned {_code(rc)}")
+                    raise _SetupFailed(f"register_buffer of an arena returned {code_name(rc)}")
                 self._registered[id(arena)] = arena
                 if all(a is not arena for a in self._arenas):
                     self._arenas.append(arena)
@@ -406,13 +328,13 @@ class MooncakeTier(BaseTier):
                 )
             )
             if rc != 0:
-                raise _SetupFailed(f"setup returned {_code(rc)}")
+                raise _SetupFailed(f"setup returned {code_name(rc)}")
             with self._lock:
                 arenas = list(self._arenas)
             for arena in arenas:
                 rc = int(store.register_buffer(arena.address, arena.total_bytes))
                 if rc != 0:
-                    raise _SetupFailed(f"register_buffer of the arena returned {_code(rc)}")
+                    raise _SetupFailed(f"register_buffer of the arena returned {code_name(rc)}")
             with self._lock:
                 if not self._closed:
                     self._store = store
@@ -441,7 +363,7 @@ class MooncakeTier(BaseTier):
             if self.local_hostname.count(":") == 1
             else self.local_hostname
         )
-        _set_mooncake_environment(self._timeout_s, self.metadata_server, host)
+        set_environment(self._timeout_s, self.metadata_server, host)
         connected = await self._try_set_up(deadline_s)
         if connected:
             self._connected.set()
@@ -478,46 +400,46 @@ class MooncakeTier(BaseTier):
     async def _call(self, what: str, op: Callable[..., _T], *args: Any, touches_arena: bool) -> _T:
         """Run ``op(store, *args)`` in a worker thread under the limiter.
 
-        Returns ``op``'s result.  Raises :class:`_Unavailable` after a checkpoint, without a
-        thread, while there is no client, the tier is closed or backing off; and after counting
-        the failure and starting a backoff when ``op`` raises or (``touches_arena`` false)
-        misses the ``timeout_s`` deadline.  A call that never got a thread does not back off.
+        Returns ``op``'s result.  Raises :class:`~lmprefetch.tiers.remote.Unavailable` after a
+        checkpoint, without a thread, while there is no client, the tier is closed or backing
+        off; and after counting the failure and starting a backoff when ``op`` raises or
+        (``touches_arena`` false) misses the ``timeout_s`` deadline.
 
         ``touches_arena``: ``op`` reads or writes arena buffers: the thread is never
         abandoned (a cancellation waits for it; Mooncake's own timeouts bound it).  Otherwise
-        a deadline or a cancellation abandons it.
+        a deadline or a cancellation abandons it (:meth:`_call_abandoning`).
         """
         store = self._store
-        if store is None or self._closed or self.backing_off:
+        if not touches_arena or store is None:
+            return await self._call_abandoning(what, partial(op, store, *args))
+        if not self._usable():
             await trio.lowlevel.checkpoint()
-            raise _Unavailable
-        if touches_arena:
-            try:
-                return await trio.to_thread.run_sync(
-                    op, store, *args, abandon_on_cancel=False, limiter=self._limiter
-                )
-            except Exception as exc:  # a Mooncake binding error: count, back off
-                self._failed(what, exc)
-                raise _Unavailable from None
-        started: list[bool] = []
+            raise Unavailable
+        try:
+            return await trio.to_thread.run_sync(
+                op, store, *args, abandon_on_cancel=False, limiter=self._limiter
+            )
+        except Exception as exc:  # a Mooncake binding error: count, back off
+            self._failed(what, exc)
+            raise Unavailable from None
 
-        def run() -> _T:
-            started.append(True)
-            return op(store, *args)
-
-        with trio.move_on_after(self._timeout_s):
-            try:
-                return await trio.to_thread.run_sync(
-                    run, abandon_on_cancel=True, limiter=self._limiter
-                )
-            except Exception as exc:
-                self._failed(what, exc)
-                raise _Unavailable from None
-        if started:
-            self._failed(what, f"no answer within {self._timeout_s:.3g} s")
-        else:
-            log.debug("mooncake tier: %s found no free thread within %.3g s", what, self._timeout_s)
-        raise _Unavailable
+    async def _transfer(
+        self,
+        what: str,
+        op: Callable[[MooncakeStore, list[str], list[int], list[int]], list[int]],
+        names: list[str],
+        bufs: Sequence[Buffer],
+        sizes: list[int],
+    ) -> list[int]:
+        """``op`` (``_get_into`` or ``_put_from``) on ``bufs``' slots, in a thread that is
+        never abandoned, after registering any arena of theirs the client does not know yet;
+        a result code per name.  Raises :class:`~lmprefetch.tiers.remote.Unavailable` as
+        :meth:`_call` does."""
+        arenas = self._unregistered(bufs)
+        if arenas:
+            await self._call("register_buffer", self._register, arenas, touches_arena=False)
+        addresses = [_slot_address(buf) for buf in bufs]
+        return await self._call(what, op, names, addresses, sizes, touches_arena=True)
 
     def _unregistered(self, bufs: Sequence[Buffer]) -> list[Arena]:
         seen: list[Arena] = []
@@ -559,7 +481,7 @@ class MooncakeTier(BaseTier):
         names = [mooncake_key(key) for key in keys]
         try:
             found = await self._call("batch_is_exist", _exist, names, touches_arena=False)
-        except _Unavailable:
+        except Unavailable:
             return 0
         n = 0
         while n < len(found) and found[n] == 1:
@@ -570,7 +492,7 @@ class MooncakeTier(BaseTier):
                 self._note_removed(keys[n])
                 self._succeeded()
             else:
-                self._failed("batch_is_exist", f"answered {_code(found[n])} for {names[n]}")
+                self._failed("batch_is_exist", f"answered {code_name(found[n])} for {names[n]}")
         elif len(found) != len(names):
             self._failed("batch_is_exist", f"{len(found)} answers for {len(names)} keys")
             return 0
@@ -594,29 +516,17 @@ class MooncakeTier(BaseTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
-        start = 0
-        while start < total:
-            end = start + 1
-            budget = buffers[start].capacity
-            while (
-                end < total
-                and end - start < _LOAD_BATCH_KEYS
-                and budget + buffers[end].capacity <= _LOAD_BATCH_BYTES
-            ):
-                budget += buffers[end].capacity
-                end += 1
+        batches = load_batches(
+            buffers[:total], max_bytes=_LOAD_BATCH_BYTES, max_keys=_LOAD_BATCH_KEYS
+        )
+        for start, end in batches:
             bufs = buffers[start:end]
             names = [mooncake_key(key) for key in keys[start:end]]
-            addresses = [_slot_address(buf) for buf in bufs]
-            sizes = [buf.capacity for buf in bufs]
             try:
-                arenas = self._unregistered(bufs)
-                if arenas:
-                    await self._call("register_buffer", self._register, arenas, touches_arena=False)
-                results = await self._call(
-                    "batch_get_into", _get_into, names, addresses, sizes, touches_arena=True
+                results = await self._transfer(
+                    "batch_get_into", _get_into, names, bufs, [buf.capacity for buf in bufs]
                 )
-            except _Unavailable:
+            except Unavailable:
                 break
             filled = 0
             for buf, rc in zip(bufs, results, strict=False):
@@ -625,10 +535,10 @@ class MooncakeTier(BaseTier):
                     loaded_bytes += rc
                     filled += 1
                     continue
-                if rc in _MISSING:
+                if rc in MISSING:
                     self._note_removed(keys[start + filled])
-                elif rc != _INVALID_PARAMS:  # larger than the buffer: a miss that stays there
-                    self._failed("batch_get_into", f"answered {_code(rc)} for {names[filled]}")
+                elif rc != INVALID_PARAMS:  # larger than the buffer: a miss that stays there
+                    self._failed("batch_get_into", f"answered {code_name(rc)} for {names[filled]}")
                 break
             else:
                 if len(results) != len(bufs):
@@ -638,7 +548,6 @@ class MooncakeTier(BaseTier):
             n += filled
             if filled < len(bufs):
                 break
-            start = end
         if total == 0:
             await trio.lowlevel.checkpoint()
         self.stats.chunks_loaded += n
@@ -661,14 +570,14 @@ class MooncakeTier(BaseTier):
         while True:
             try:
                 rc = await self._call("remove", _remove, name, touches_arena=False)
-            except _Unavailable:
+            except Unavailable:
                 return False
-            if rc == 0 or rc in _MISSING:
+            if rc == 0 or rc in MISSING:
                 self._succeeded()
                 self._note_removed(key)  # gone now, whoever deleted it
                 return rc == 0
-            if rc != _OBJECT_HAS_LEASE:
-                self._failed("remove", f"answered {_code(rc)} for {name}")
+            if rc != OBJECT_HAS_LEASE:
+                self._failed("remove", f"answered {code_name(rc)} for {name}")
                 return False
             if trio.current_time() >= deadline:
                 log.info("mooncake tier: %s is still leased by a reader; not removed", name)
@@ -676,47 +585,6 @@ class MooncakeTier(BaseTier):
             await trio.sleep(_REMOVE_POLL_S)
 
     # -- write-behind ------------------------------------------------------------------
-    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
-        """Queue ``buf``'s payload for storing under ``key`` (synchronous, never blocks).
-
-        Takes its own reference on ``buf``, held until the store has read the bytes out of
-        the arena.  Returns ``False``, counting ``stats.writes_dropped``, when the queue is
-        full, or the tier has no client, is backing off or closed."""
-        if not self._usable():
-            self.stats.writes_dropped += 1
-            return False
-        return self._writes.put(key, buf)
-
-    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
-        """:meth:`enqueue_write` (write-behind; ``True`` means queued, not yet stored)."""
-        await trio.lowlevel.checkpoint()
-        return self.enqueue_write(key, payload)
-
-    @property
-    def queued_writes(self) -> int:
-        """Writes queued or being written."""
-        return self._writes.pending
-
-    async def flush(self) -> None:
-        """Wait until every write queued before this call was stored (or dropped).
-
-        Raises:
-            RuntimeError: writes are queued but no writer runs (use :func:`open_mooncake_tier`).
-        """
-        await self._writes.flush()
-
-    async def run_writer(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """The write-behind loop (runs until cancelled): ``batch_put_from`` what is queued,
-        straight from the arena buffers, whose references are released once it returned."""
-        await self._writes.run(
-            self._write_batch,
-            batch_keys=_WRITE_BATCH_KEYS,
-            batch_bytes=_WRITE_BATCH_BYTES,
-            task_status=task_status,
-        )
-
     async def _write_batch(self, batch: list[WriteEntry]) -> None:
         live: list[tuple[WriteEntry, Buffer]] = []
         for entry in batch:
@@ -733,18 +601,13 @@ class MooncakeTier(BaseTier):
             return
         bufs = [buf for _, buf in live]
         names = [mooncake_key(entry.key) for entry, _ in live]
-        addresses = [_slot_address(buf) for buf in bufs]
-        sizes = [buf.length for buf in bufs]
         # The entries keep their buffer references until the loop releases them after this
         # returns: batch_put_from reads the arena, and its thread is never abandoned.
         try:
-            arenas = self._unregistered(bufs)
-            if arenas:
-                await self._call("register_buffer", self._register, arenas, touches_arena=False)
-            results = await self._call(
-                "batch_put_from", _put_from, names, addresses, sizes, touches_arena=True
+            results = await self._transfer(
+                "batch_put_from", _put_from, names, bufs, [buf.length for buf in bufs]
             )
-        except _Unavailable:
+        except Unavailable:
             self.stats.writes_dropped += len(live)
             return
         except BaseException:
@@ -753,7 +616,7 @@ class MooncakeTier(BaseTier):
         error: str | None = None
         undo: list[ChunkKey] = []
         for (entry, buf), rc in zip(live, results, strict=False):
-            if rc in (0, _OBJECT_ALREADY_EXISTS):
+            if rc in (0, OBJECT_ALREADY_EXISTS):
                 self.stats.chunks_stored += 1
                 self.stats.bytes_stored += buf.length
                 if entry.removed:  # remove(key) came while it was being stored
@@ -762,7 +625,7 @@ class MooncakeTier(BaseTier):
                     self._note_stored(entry.key)
             else:
                 self.stats.writes_dropped += 1
-                error = error or f"answered {_code(rc)} for {mooncake_key(entry.key)}"
+                error = error or f"answered {code_name(rc)} for {mooncake_key(entry.key)}"
         self.stats.writes_dropped += max(0, len(live) - len(results))
         if error is not None:
             self._failed("batch_put_from", error)
@@ -772,57 +635,28 @@ class MooncakeTier(BaseTier):
             await self._remove_remote(key)
 
     # -- shutdown ----------------------------------------------------------------------
-    async def aclose(self) -> None:
-        """Flush queued writes (if the writer runs, bounded), drop the rest, wait for every
-        thread (bounded), then unregister the arenas and close the client.  Shielded from
-        cancellation; idempotent."""
-        if self._closed:
-            await trio.lowlevel.checkpoint()
+    async def _close_client(self, *, threads_ended: bool) -> None:
+        """Unregister the arenas and close the client, in a thread (bounded); a client that a
+        call still uses (``threads_ended`` false) is left to the process's exit."""
+        with self._lock:
+            store, self._store = self._store, None
+            arenas, self._registered = list(self._registered.values()), {}
+        if store is None:
             return
-        with trio.CancelScope(shield=True):
-            self._writes.close()
-            with trio.move_on_after(CLOSE_TIMEOUT_S):
-                try:
-                    await self.flush()
-                except RuntimeError:  # no writer runs: what is queued is dropped below
-                    pass
-            with self._lock:
-                self._closed = True  # a setup thread still running closes its own client
-            self._writes.drop_queued()
-            # Every thread (abandoned ones too) holds a limiter token until it really ends:
-            # owning all tokens means no thread uses the client any more.
-            owned: list[tuple[trio.CapacityLimiter, object]] = []
-            try:
-                with trio.move_on_after(CLOSE_TIMEOUT_S) as waited:
-                    for limiter in (self._limiter, self._setup_limiter):
-                        for _ in range(int(limiter.total_tokens)):
-                            borrower = object()
-                            await limiter.acquire_on_behalf_of(borrower)
-                            owned.append((limiter, borrower))
-                with self._lock:
-                    store, self._store = self._store, None
-                    arenas, self._registered = list(self._registered.values()), {}
-                if store is None:
-                    return
-                if waited.cancelled_caught:
-                    # A call is still inside the client: closing it now would pull it from
-                    # under that call.  Leave it to the process's exit.
-                    log.warning("mooncake tier: calls still running after %.0f s; the client "
-                                "is left open", CLOSE_TIMEOUT_S)  # fmt: skip
-                    return
-                with trio.move_on_after(CLOSE_TIMEOUT_S) as closing:
-                    await trio.to_thread.run_sync(
-                        _close_store, store, arenas, abandon_on_cancel=True
-                    )
-                if closing.cancelled_caught:
-                    log.warning("mooncake tier: closing the client took over %.0f s; "
-                                "left to finish on its own", CLOSE_TIMEOUT_S)  # fmt: skip
-            finally:
-                for limiter, borrower in owned:
-                    limiter.release_on_behalf_of(borrower)
+        if not threads_ended:
+            # A call is still inside the client: closing it now would pull it from under
+            # that call.
+            log.warning("mooncake tier: calls still running after %.0f s; the client is left "
+                        "open", CLOSE_TIMEOUT_S)  # fmt: skip
+            return
+        with trio.move_on_after(CLOSE_TIMEOUT_S) as closing:
+            await trio.to_thread.run_sync(_close_store, store, arenas, abandon_on_cancel=True)
+        if closing.cancelled_caught:
+            log.warning("mooncake tier: closing the client took over %.0f s; left to finish on "
+                        "its own", CLOSE_TIMEOUT_S)  # fmt: skip
 
 
-def _close_store(store: Any, arenas: Sequence[Arena]) -> None:
+def _close_store(store: MooncakeStore, arenas: Sequence[Arena]) -> None:
     """(Worker thread.)  Unregister the arenas and close the client (unmounting its segment:
     the objects in it are gone from the pool)."""
     for arena in arenas:
@@ -847,7 +681,7 @@ async def open_mooncake_tier(
     write_queue: int = DEFAULT_WRITE_QUEUE,
     backoff_initial_s: float = 0.5,
     backoff_max_s: float = 30.0,
-    store_factory: Callable[[], Any] | None = None,
+    store_factory: Callable[[], MooncakeStore] | None = None,
 ) -> AsyncIterator[MooncakeTier]:
     """Open the Mooncake tier and run its writer (and, until a client is set up, its
     reconnecting task) until the block exits.
@@ -876,19 +710,9 @@ async def open_mooncake_tier(
     )
     if arena is not None:
         tier.add_arena(arena)
-    try:
-        await tier.connect(deadline_s=timeout_s + CONNECT_SLACK_S)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(tier.run_writer)
-            await nursery.start(tier.run_connector)
-            try:
-                yield tier
-            finally:
-                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                    await tier.flush()
-                nursery.cancel_scope.cancel()
-    finally:
-        await tier.aclose()
+    connect = partial(tier.connect, deadline_s=timeout_s + CONNECT_SLACK_S)
+    async with tier.running(connect, tier.run_connector):
+        yield tier
 
 
 def open_mooncake_tier_from_config(

@@ -28,11 +28,10 @@ buffer is released.
 
 **Faults (D05).**  A refused connection, a timeout, a cluster error or any other failure of a
 remote call is caught inside the tier, counted in ``stats.errors`` and starts a *backoff*
-(``backoff_initial_s`` doubling up to ``backoff_max_s``, measured on ``trio.current_time()``).
-While backing off the tier answers "no more hits" at once without touching the network and drops
-writes (counted in ``stats.writes_dropped``); the first call after the backoff expires tries
-again, and a success resets it.  A lookup therefore gets the prefix found before the failure
-(0 from a down server), promptly, and never an exception.
+(:mod:`lmprefetch.tiers.remote`: ``backoff_initial_s`` doubling up to ``backoff_max_s``).
+While backing off the tier answers "no more hits" at once without touching the network and
+drops writes (counted in ``stats.writes_dropped``).  A lookup therefore gets the prefix found
+before the failure (0 from a down server), promptly, and never an exception.
 
 **Holes (D13).**  :meth:`RedisTier.contains_prefix` and :meth:`RedisTier.load` both stop at the
 first missing or invalid value: LMCache's Redis connector dropped ``None`` results from a batch
@@ -47,18 +46,19 @@ the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s pin bookkeeping so
 reference on the buffer and queues it, or drops the write (and counts it) when the queue is full
 or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
 the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import struct
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import redis
 import trio
@@ -70,12 +70,22 @@ from redis.retry import Retry
 
 from ..keys import ChunkKey
 from ..memory import Buffer
-from .base import BaseTier
-from .writebehind import WriteBehindQueue, WriteEntry
+from .remote import (
+    CLOSE_TIMEOUT_S,
+    CONNECT_SLACK_S,
+    KEY_PREFIX,
+    RemoteTier,
+    Unavailable,
+    load_batches,
+)
+from .writebehind import WriteEntry
 
 __all__ = [
+    "CLOSE_TIMEOUT_S",
+    "CONNECT_SLACK_S",
     "HEADER_BYTES",
     "KEY_PREFIX",
+    "RedisClient",
     "RedisTier",
     "decode_value",
     "encode_value",
@@ -87,8 +97,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Prefix of every Redis key this tier writes.
-KEY_PREFIX: Final = "lmprefetch:"
 _MAGIC: Final = b"LMP\x01"
 # magic, payload length, xxh3-64 of the payload; little-endian, no padding.
 _HEADER: Final = struct.Struct("<4sQQ")
@@ -103,10 +111,33 @@ _WRITE_BATCH_BYTES: Final = 16 * 1024 * 1024
 _WRITE_BATCH_KEYS: Final = 64
 _SOCKET_READ_BYTES: Final = 1024 * 1024
 
-#: How long closing waits for queued writes, and then for abandoned threads.
-CLOSE_TIMEOUT_S: Final = 10.0
-#: Added to the deadline of the first connection (see :meth:`RedisTier.connect`).
-CONNECT_SLACK_S: Final = 5.0
+
+class RedisPipeline(Protocol):
+    """What the tier uses of a redis-py pipeline (``transaction=False``): commands queue up,
+    ``execute`` sends them at once and answers in command order."""
+
+    def exists(self, *names: bytes) -> object: ...
+
+    def get(self, name: bytes) -> object: ...
+
+    def set(self, name: bytes, value: bytes) -> object: ...
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]: ...
+
+
+class RedisClient(Protocol):
+    """What the tier uses of redis-py's ``Redis`` and ``RedisCluster`` (both have it).  Calls
+    block: worker threads only."""
+
+    def pipeline(self, transaction: bool = ...) -> RedisPipeline: ...
+
+    def exists(self, *names: bytes) -> int: ...
+
+    def delete(self, *names: bytes) -> int: ...
+
+    def ping(self) -> object: ...
+
+    def close(self) -> None: ...
 
 
 def redis_key(key: ChunkKey) -> bytes:
@@ -135,12 +166,8 @@ def decode_value(raw: bytes) -> memoryview | None:
     return payload
 
 
-class _Unavailable(Exception):
-    """A remote call did not happen or failed (already counted); the caller stops here."""
-
-
 # -- what runs in worker threads (never touches arena memory) ------------------------------
-def _exists_prefix(client: Any, names: Sequence[bytes]) -> tuple[int, BaseException | None]:
+def _exists_prefix(client: RedisClient, names: Sequence[bytes]) -> tuple[int, BaseException | None]:
     """Pipelined EXISTS; the leading count that exist, and the error that stopped it (if any).
 
     A cluster pipeline routes each command to its slot's node (keys of one lookup land on
@@ -160,7 +187,7 @@ def _exists_prefix(client: Any, names: Sequence[bytes]) -> tuple[int, BaseExcept
 
 
 def _get_prefix(
-    client: Any, names: Sequence[bytes], capacities: Sequence[int]
+    client: RedisClient, names: Sequence[bytes], capacities: Sequence[int]
 ) -> tuple[list[memoryview], BaseException | None, bool]:
     """Pipelined GET; the verified payloads of the leading values, the error that stopped them
     (if any), and whether a corrupt value stopped them (it is then deleted, best effort).  A
@@ -190,7 +217,7 @@ def _get_prefix(
 
 
 def _set_all(
-    client: Any, items: Sequence[tuple[bytes, bytes]]
+    client: RedisClient, items: Sequence[tuple[bytes, bytes]]
 ) -> tuple[list[bool], int, BaseException | None]:
     """Pipelined SET; which succeeded, their payload bytes, and the first error."""
     pipe = client.pipeline(transaction=False)
@@ -232,7 +259,7 @@ def _parse_endpoints(url: str) -> list[dict[str, Any]]:
     return out
 
 
-class RedisTier(BaseTier):
+class RedisTier(RemoteTier):
     """Chunks in Redis (one URL) or Redis Cluster (several URLs, the cluster's startup nodes).
 
     Open it with :func:`open_redis_tier`, which also runs the write-behind task.  Constructing a
@@ -253,6 +280,8 @@ class RedisTier(BaseTier):
     """
 
     name = "redis"
+    write_batch_keys = _WRITE_BATCH_KEYS
+    write_batch_bytes = _WRITE_BATCH_BYTES
 
     def __init__(
         self,
@@ -264,59 +293,19 @@ class RedisTier(BaseTier):
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
     ) -> None:
-        super().__init__()
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
-        if threads < 1 or write_queue < 1:
-            raise ValueError("threads and write_queue must be at least 1")
-        if not 0 < backoff_initial_s <= backoff_max_s:
-            raise ValueError("backoff: need 0 < backoff_initial_s <= backoff_max_s")
+        super().__init__(
+            timeout_s=timeout_s,
+            threads=threads,
+            write_queue=write_queue,
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
+        )
         self._endpoints = _parse_endpoints(url)
         self.cluster = len(self._endpoints) > 1
-        self._timeout_s = timeout_s
-        self._limiter = trio.CapacityLimiter(threads)
-        self._client: Any = None  # built in a worker thread, under _client_lock
-        self._client_lock = threading.Lock()
-        self._closed = False
-        # backoff state (Trio thread only)
-        self._backoff_initial_s = backoff_initial_s
-        self._backoff_max_s = backoff_max_s
-        self._next_backoff_s = backoff_initial_s
-        self._retry_at = -math.inf
-        # write-behind (Trio thread only): pipelined batches, in order
-        self._writes = WriteBehindQueue(write_queue, self.stats)
+        self._client: RedisClient | None = None  # built in a worker thread, under self._lock
 
     # -- remote calls ------------------------------------------------------------------
-    @property
-    def backing_off(self) -> bool:
-        """``True`` while the tier answers without touching the network after a failure."""
-        return trio.current_time() < self._retry_at
-
-    @property
-    def retry_at(self) -> float:
-        """The ``trio.current_time()`` from which remote calls are tried again (in the past, or
-        ``-inf``, when the tier is not backing off)."""
-        return self._retry_at
-
-    def _failed(self, what: str, exc: BaseException | None) -> None:
-        self.stats.errors += 1
-        if not self.backing_off:
-            log.warning(
-                "redis tier: %s failed (%s); backing off %.3g s",
-                what,
-                exc if exc is not None else "no answer",
-                self._next_backoff_s,
-            )
-        self._retry_at = trio.current_time() + self._next_backoff_s
-        self._next_backoff_s = min(self._next_backoff_s * 2, self._backoff_max_s)
-
-    def _succeeded(self) -> None:
-        if self._next_backoff_s != self._backoff_initial_s:
-            log.info("redis tier: remote calls succeed again")
-        self._retry_at = -math.inf
-        self._next_backoff_s = self._backoff_initial_s
-
-    def _make_client(self) -> Any:
+    def _make_client(self) -> RedisClient:
         common: dict[str, Any] = {
             "socket_timeout": self._timeout_s,
             "socket_connect_timeout": self._timeout_s,
@@ -325,8 +314,10 @@ class RedisTier(BaseTier):
             # 64 KiB costs ~40 % of GET throughput on MiB-sized values.
             "socket_read_size": _SOCKET_READ_BYTES,
         }
+        client: RedisClient
         if not self.cluster:
-            return redis.Redis(**{**self._endpoints[0], **common})
+            client = redis.Redis(**{**self._endpoints[0], **common})
+            return client
         options = {k: v for k, v in self._endpoints[0].items() if k not in ("host", "port", "db")}
         if options.pop("connection_class", None) is SSLConnection:
             options["ssl"] = True
@@ -334,14 +325,14 @@ class RedisTier(BaseTier):
             ClusterNode(e.get("host") or "localhost", e.get("port") or 6379)
             for e in self._endpoints
         ]
-        return RedisCluster(startup_nodes=nodes, **options, **common)
+        client = RedisCluster(startup_nodes=nodes, **options, **common)
+        return client
 
-    def _with_client(self, op: Callable[[Any], _T], started: list[bool]) -> _T:
+    def _with_client(self, op: Callable[[RedisClient], _T]) -> _T:
         """Worker-thread side of :meth:`_remote`: build the client if needed, run ``op``."""
-        started.append(True)
         client = self._client
         if client is None:
-            with self._client_lock:  # one build at a time (a cluster build connects)
+            with self._lock:  # one build at a time (a cluster build connects)
                 if self._closed:
                     raise RuntimeError("redis tier is closed")
                 if self._client is None:
@@ -350,37 +341,23 @@ class RedisTier(BaseTier):
         return op(client)
 
     async def _remote(
-        self, what: str, op: Callable[[Any], _T], *, deadline_s: float | None = None
+        self, what: str, op: Callable[[RedisClient], _T], *, deadline_s: float | None = None
     ) -> _T:
-        """Run ``op(client)`` in a worker thread under the per-call deadline (or ``deadline_s``).
+        """Run ``op(client)`` in a worker thread under the per-call deadline (or ``deadline_s``)
+        and end the back-off once it succeeds (see :meth:`RemoteTier._call_abandoning
+        <lmprefetch.tiers.remote.RemoteTier._call_abandoning>`: the thread touches no arena
+        memory and is abandoned on cancellation or at the deadline, finishing within its
+        socket timeout).
 
-        Returns ``op``'s result.  Raises :class:`_Unavailable` (after a checkpoint, without any
-        I/O) while closed or backing off; raises it after counting the failure and starting a
-        backoff when the call fails or misses its deadline.  Waiting for a free thread counts
-        against the deadline but a call that never got a thread does not start a backoff.
-
-        On cancellation the thread is abandoned (it touches no arena memory) and finishes within
-        its socket timeout; ``Cancelled`` propagates.
+        Raises:
+            Unavailable: the tier is closed or backing off (without I/O), or the call failed
+                or missed its deadline (counted, backing off).
         """
-        if self._closed or self.backing_off:
-            await trio.lowlevel.checkpoint()
-            raise _Unavailable
-        started: list[bool] = []
-        with trio.move_on_after(self._timeout_s if deadline_s is None else deadline_s):
-            try:
-                result = await trio.to_thread.run_sync(
-                    self._with_client, op, started, abandon_on_cancel=True, limiter=self._limiter
-                )
-            except Exception as exc:  # redis-py, socket and cluster errors of every kind (D05)
-                self._failed(what, exc)
-                raise _Unavailable from None
-            self._succeeded()
-            return result
-        if started:
-            self._failed(what, None)
-        else:
-            log.debug("redis tier: %s found no free thread within %.3g s", what, self._timeout_s)
-        raise _Unavailable
+        result = await self._call_abandoning(
+            what, partial(self._with_client, op), deadline_s=deadline_s
+        )
+        self._succeeded()
+        return result
 
     async def connect(self) -> bool:
         """Build the client and PING the server(s); ``False`` (and a backoff) when unreachable.
@@ -396,7 +373,7 @@ class RedisTier(BaseTier):
         deadline_s = self._timeout_s * len(self._endpoints) + CONNECT_SLACK_S
         try:
             await self._remote("connect", lambda client: client.ping(), deadline_s=deadline_s)
-        except _Unavailable:
+        except Unavailable:
             return False
         return True
 
@@ -406,7 +383,7 @@ class RedisTier(BaseTier):
         name = redis_key(key)
         try:
             found = bool(await self._remote("EXISTS", lambda client: client.exists(name)))
-        except _Unavailable:
+        except Unavailable:
             return False
         if not found:
             self._note_removed(key)  # evicted by Redis, or deleted by another engine
@@ -432,7 +409,7 @@ class RedisTier(BaseTier):
                     # by another engine (Redis tells nobody; a probe is how we learn it).
                     self._note_removed(keys[n])
                     break
-        except _Unavailable:
+        except Unavailable:
             pass  # the prefix ends here; counted and backing off
         if not names:
             await trio.lowlevel.checkpoint()
@@ -458,20 +435,14 @@ class RedisTier(BaseTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
-        start = 0
-        while start < total:
-            end = start + 1
-            budget = buffers[start].capacity
-            while end < total and budget + buffers[end].capacity <= _LOAD_BATCH_BYTES:
-                budget += buffers[end].capacity
-                end += 1
+        for start, end in load_batches(buffers[:total], max_bytes=_LOAD_BATCH_BYTES):
             names = [redis_key(key) for key in keys[start:end]]
             capacities = [buf.capacity for buf in buffers[start:end]]
             try:
                 payloads, error, corrupt = await self._remote(
                     "GET", partial(_get_prefix, names=names, capacities=capacities)
                 )
-            except _Unavailable:
+            except Unavailable:
                 break
             if payloads:
                 await trio.to_thread.run_sync(
@@ -490,7 +461,6 @@ class RedisTier(BaseTier):
                 break
             if n < end:
                 break
-            start = end
         if total == 0:
             await trio.lowlevel.checkpoint()
         self.stats.chunks_loaded += n
@@ -502,54 +472,13 @@ class RedisTier(BaseTier):
         name = redis_key(key)
         try:
             deleted = bool(await self._remote("DEL", lambda client: client.delete(name)))
-        except _Unavailable:
+        except Unavailable:
             return False
         self._note_removed(key)  # gone now, whoever deleted it
         return deleted
 
-    # -- write-behind ------------------------------------------------------------------
-    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
-        """Queue ``buf``'s payload for writing under ``key`` (synchronous, never blocks).
-
-        Takes its own reference on ``buf`` (released by the writer once the bytes are copied
-        out).  Returns ``False``, counting ``stats.writes_dropped``, when the queue is full, the
-        tier is backing off or closed."""
-        if self._closed or self.backing_off:
-            self.stats.writes_dropped += 1
-            return False
-        return self._writes.put(key, buf)
-
-    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
-        """:meth:`enqueue_write` (write-behind; ``True`` means queued, not yet in Redis)."""
-        await trio.lowlevel.checkpoint()
-        return self.enqueue_write(key, payload)
-
-    @property
-    def queued_writes(self) -> int:
-        """Writes queued or being written."""
-        return self._writes.pending
-
-    async def flush(self) -> None:
-        """Wait until every write queued before this call was sent (or dropped).
-
-        Raises:
-            RuntimeError: writes are queued but no writer runs (use :func:`open_redis_tier`).
-        """
-        await self._writes.flush()
-
-    async def run_writer(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """The write-behind loop (runs until cancelled): batch what is queued, copy it out of
-        the arena (releasing each buffer reference, exactly once), pipeline the SETs.  Writes are
-        dropped and counted while backing off or when the batch fails."""
-        await self._writes.run(
-            self._write_batch,
-            batch_keys=_WRITE_BATCH_KEYS,
-            batch_bytes=_WRITE_BATCH_BYTES,
-            task_status=task_status,
-        )
-
+    # -- write-behind: batch what is queued, copy it out of the arena (releasing each buffer
+    # reference, exactly once), pipeline the SETs ----------------------------------------
     async def _write_batch(self, batch: list[WriteEntry]) -> None:
         live = [e for e in batch if not e.removed and e.buffer is not None]
         for entry in batch:
@@ -560,7 +489,7 @@ class RedisTier(BaseTier):
         keys = [key for key, buf in taken if buf is not None]
         owned = [(redis_key(key), buf) for key, buf in taken if buf is not None]
         try:
-            if self._closed or self.backing_off:
+            if not self._usable():
                 await trio.lowlevel.checkpoint()
                 self.stats.writes_dropped += len(owned)
                 return
@@ -573,7 +502,7 @@ class RedisTier(BaseTier):
                 buf.release()
         try:
             ok, ok_bytes, error = await self._remote("SET", partial(_set_all, items=items))
-        except _Unavailable:
+        except Unavailable:
             self.stats.writes_dropped += len(items)
             return
         except BaseException:
@@ -590,37 +519,11 @@ class RedisTier(BaseTier):
             self._failed("SET", error)
 
     # -- shutdown ----------------------------------------------------------------------
-    async def aclose(self) -> None:
-        """Flush queued writes (if the writer runs, bounded), drop the rest, wait for abandoned
-        threads (bounded), close the client.  Shielded from cancellation; idempotent."""
-        if self._closed:
-            await trio.lowlevel.checkpoint()  # closing again is a no-op, and a checkpoint
-            return
-        with trio.CancelScope(shield=True):
-            self._writes.close()
-            with trio.move_on_after(CLOSE_TIMEOUT_S):
-                try:
-                    await self.flush()
-                except RuntimeError:  # no writer runs: what is queued is dropped below
-                    pass
-            self._closed = True
-            self._writes.drop_queued()
-            # Every thread (abandoned ones too) holds a limiter token until it really ends:
-            # owning all tokens means no thread uses the client any more.
-            owned: list[object] = []
-            with trio.move_on_after(CLOSE_TIMEOUT_S):
-                for _ in range(int(self._limiter.total_tokens)):
-                    borrower = object()
-                    await self._limiter.acquire_on_behalf_of(borrower)
-                    owned.append(borrower)
-            try:
-                with self._client_lock:  # a thread abandoned mid-build may still hold it
-                    client, self._client = self._client, None
-                if client is not None:
-                    await trio.to_thread.run_sync(client.close)
-            finally:
-                for borrower in owned:
-                    self._limiter.release_on_behalf_of(borrower)
+    async def _close_client(self, *, threads_ended: bool) -> None:
+        with self._lock:  # a thread abandoned mid-build may still hold it
+            client, self._client = self._client, None
+        if client is not None:
+            await trio.to_thread.run_sync(client.close)
 
 
 @asynccontextmanager
@@ -651,15 +554,5 @@ async def open_redis_tier(
         backoff_initial_s=backoff_initial_s,
         backoff_max_s=backoff_max_s,
     )
-    try:
-        await tier.connect()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(tier.run_writer)
-            try:
-                yield tier
-            finally:
-                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                    await tier.flush()
-                nursery.cancel_scope.cancel()
-    finally:
-        await tier.aclose()
+    async with tier.running(tier.connect):
+        yield tier

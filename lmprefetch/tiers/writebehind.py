@@ -35,7 +35,7 @@ from ..keys import ChunkKey
 from ..memory import Buffer
 from .base import TierStats
 
-__all__ = ["WriteBehindQueue", "WriteEntry"]
+__all__ = ["WriteBehindQueue", "WriteEntry", "WritesBehind"]
 
 
 class WriteEntry:
@@ -246,3 +246,48 @@ class WriteBehindQueue:
             entry.release()
             self._done_seq = entry.seq
         self._progress.unpark_all()
+
+
+class WritesBehind:
+    """The write-behind side every slow tier shares (disk, Redis, Mooncake): :meth:`store`
+    queues, :meth:`flush` waits, :attr:`queued_writes` counts.  A tier makes ``self._writes``,
+    runs its writer loop, and decides in its own ``enqueue_write`` what it takes."""
+
+    _writes: WriteBehindQueue
+
+    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def store(self, key: ChunkKey, payload: Buffer) -> bool:
+        """:meth:`enqueue_write` (write-behind: ``True`` means queued, not yet written; see
+        :meth:`flush`)."""
+        await trio.lowlevel.checkpoint()
+        return self.enqueue_write(key, payload)
+
+    @property
+    def queued_writes(self) -> int:
+        """Writes queued or being written."""
+        return self._writes.pending
+
+    async def flush(self) -> None:
+        """Wait until every write queued before this call was written (or dropped).
+
+        Cancellation: the wait ends; the writes go on.
+
+        Raises:
+            RuntimeError: writes are queued but no writer runs (open the tier with its
+                ``open_*`` function, which runs it).
+        """
+        await self._writes.flush()
+
+    async def _flush_before_close(self, timeout_s: float) -> bool:
+        """Refuse new writes, then wait (shielded, at most ``timeout_s``) for the queued ones;
+        whether every one was written or dropped by then.  With no writer running nothing is
+        waited for: the caller drops what is queued."""
+        self._writes.close()
+        with trio.move_on_after(timeout_s, shield=True) as waited:
+            try:
+                await self.flush()
+            except RuntimeError:  # no writer runs
+                return False
+        return not waited.cancelled_caught

@@ -68,6 +68,7 @@ __all__ = [
     "check_worker_frame",
     "classify_response_frame",
     "classify_worker_frame",
+    "fill_stored_prompts",
     "join_frames",
     "split_frames",
     "toml_keys",
@@ -169,6 +170,17 @@ def stored_prompts() -> list[list[int]]:
     return [[p * 1000 + i for i in range(n * CHUNK)] for p, n in ((1, 3), (2, 5), (3, 8))]
 
 
+async def fill_stored_prompts(engine: Engine, slow: Any) -> None:
+    """The wire harnesses' data: the first two :func:`stored_prompts` in the CPU tier, all
+    three in ``slow`` (a fake tier's ``data``)."""
+    for n, prompt in enumerate(stored_prompts()):
+        data = [bytes([n * 16 + i]) * 40 for i in range(len(prompt) // CHUNK)]
+        if n < 2:
+            await engine.store(prompt, data)
+        for key, payload in zip(engine.keys.keys(engine.hasher.hash(prompt)), data):
+            slow.data[key] = payload
+
+
 def harness_config() -> PrefetchConfig:
     return PrefetchConfig(chunk_size=CHUNK, chunk_bytes=64, cpu_bytes=64 * 48)
 
@@ -217,14 +229,7 @@ class HandleHarness:
         self.inputs = 0
 
     async def _fill(self, slow: Any) -> None:
-        """The first two prompts in the CPU tier; all three in the slow tier."""
-        engine = self.engine
-        for n, prompt in enumerate(stored_prompts()):
-            data = [bytes([n * 16 + i]) * 40 for i in range(len(prompt) // CHUNK)]
-            if n < 2:
-                await engine.store(prompt, data)
-            for key, payload in zip(engine.keys.keys(engine.hasher.hash(prompt)), data):
-                slow.data[key] = payload
+        await fill_stored_prompts(self.engine, slow)
 
     def close(self) -> None:
         self._stack.close()
@@ -271,9 +276,10 @@ class HandleHarness:
                     key = (msg.lookup_id, msg.seq)
                     accepted[key] += 1
                     most[key] = max(most.get(key, 0), outcome.max_tokens)
-            before = dict(server.counters)
+            before = msgspec.structs.asdict(server.counters)
             server._handle(frame)
-            got = Counter({k: server.counters[k] - before[k] for k in before})
+            after = msgspec.structs.asdict(server.counters)
+            got = Counter({k: after[k] - before[k] for k in before})
             assert +got == +want, (got, want, outcome)
             check_worker_frame(frame)  # and the decoder's own rules
             # Let lookups run between frames now and then, as a real receive loop would.
@@ -283,7 +289,7 @@ class HandleHarness:
         await engine.wait_quiet()
         answers = [decode_response(buf) for buf in server._outbox]
         server._outbox.clear()
-        server.counters["answers_sent"] += len(answers)  # what the send task would do
+        server.counters.answers_sent += len(answers)  # what the send task would do
         # Exactly one answer per accepted request, within its tokens, from this rank.
         assert Counter((a.lookup_id, a.seq) for a in answers) == accepted, (answers, accepted)
         for a in answers:
@@ -293,18 +299,18 @@ class HandleHarness:
 
 
 def _failures(engine: Engine) -> tuple[int, ...]:
-    s = engine.stats()
-    return (s["lookups"]["failed"], *(tier["errors"] for tier in s["tiers"].values()))
+    s = engine.statistics()
+    return (s.lookups.failed, *(tier.errors for _, tier in s.tiers))
 
 
 def assert_idle(engine: Engine, failures_before: tuple[int, ...] | None = None) -> None:
     """DESIGN §7 conservation, and no lookup failed and no tier erred (since
     ``failures_before``, from :func:`_failures`, if given)."""
-    s = engine.stats()
-    assert s["inflight_lookups"] == 0 and s["held_lookups"] == 0, s
-    assert s["pinned_chunks"] == 0 and s["limiter_used"] == 0, s
-    assert s["arena_used_bytes"] == s["cpu_resident_bytes"], s
-    before = failures_before or (0,) * (1 + len(s["tiers"]))
+    s = engine.statistics()
+    assert s.lookups.inflight == 0 and s.lookups.held == 0, s
+    assert s.pinned_chunks == 0 and s.limiter.used == 0, s
+    assert s.arena.used_bytes == s.cpu_resident_bytes, s
+    before = failures_before or (0,) * (1 + len(s.tiers))
     assert _failures(engine) == before, f"a lookup failed or a tier erred: {s}"
 
 

@@ -15,7 +15,7 @@ One command (``lmprefetch bench-serve``; ``--quick`` for a reduced run of a few 
 4. prints a table (a progress bar while it runs), the goals beside their figures, and
    optionally writes ``--json FILE`` and ``--plot FILE.png`` (:mod:`.report`).
 
-The scenarios (:data:`.run.SCENARIOS`): ``recompute`` (no connector, prefix caching off),
+The scenarios (:data:`.options.SCENARIOS`): ``recompute`` (no connector, prefix caching off),
 ``apc`` (vLLM's prefix caching), ``lmprefetch_cpu``, ``lmprefetch_disk_restart`` (the server
 restarted between rounds), ``shared_redis`` (two servers and one Redis, requests alternating),
 ``shared_mooncake`` (the same with one Mooncake master: it runs only in a private network

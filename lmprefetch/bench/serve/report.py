@@ -33,7 +33,7 @@ from typing import Any
 
 from .model import describe, kv_bytes_per_token
 from .options import SCENARIOS
-from .run import Observed, ProbeResult, WorkloadStats
+from .rounds import Observed, ProbeResult, WorkloadStats
 
 __all__ = ["GOALS", "exit_status", "format_report", "plot", "summarize"]
 

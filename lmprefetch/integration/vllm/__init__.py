@@ -1,12 +1,16 @@
-"""The vLLM v1 KV connector: lmprefetch's lookups and prefetches inside vLLM (0.32).
+"""The vLLM v1 KV connector: lmprefetch's lookups and prefetches inside vLLM (0.30 to 0.34).
 
 Enable it with::
 
     --kv-transfer-config '{"kv_connector": "LMPrefetchConnector",
-                           "kv_connector_module_path": "lmprefetch.integration.vllm",
                            "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"chunk_size": 256, "disk_path": "/cache"}}'
+
+The name alone is enough: lmprefetch registers the connector with vLLM under its class name
+(the ``vllm.general_plugins`` entry point, :mod:`lmprefetch.integration.vllm_plugin`);
+``"kv_connector_module_path": "lmprefetch.integration.vllm"`` works too.  Which vLLM features
+the connector uses where, and what it refuses: :mod:`.compat`.
 
 ``kv_connector_extra_config`` takes :class:`~lmprefetch.config.PrefetchConfig` field names, and
 optionally ``config_file`` (a TOML file read with :meth:`PrefetchConfig.from_file`; the other
@@ -106,7 +110,14 @@ except (RuntimeError, OSError) as _exc:
     if explain(_exc) is None:
         raise
     raise ImportError(explain(_exc)) from _exc
+else:
+    # A vLLM older than the supported range is refused here, with one line (the version, the
+    # range and what it lacks), before importing a name it lacks could fail less clearly.
+    from .compat import require_supported
 
+    require_supported()
+
+from .compat import UnsupportedVLLMError as UnsupportedVLLMError
 from .config import endpoint_names as endpoint_names
 from .config import load_prefetch_config as load_prefetch_config
 from .connector import LMPrefetchConnector as LMPrefetchConnector
@@ -125,6 +136,7 @@ __all__ = [
     "LoadSpec",
     "PagedKVLayout",
     "SaveSpec",
+    "UnsupportedVLLMError",
     "endpoint_names",
     "load_prefetch_config",
 ]

@@ -14,54 +14,52 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import KVEvent
+from . import compat
+from .compat import CacheHitSource, KVConnectorTransferResults, SupportsHMA
 from .config import load_prefetch_config
 from .groups import read_groups, resolve_chunk_size
 from .metadata import LMPrefetchConnectorMetadata, LMPrefetchConnectorStats, LMPrefetchKVEvents
 from .scheduler import _SchedulerSide
 from .worker import _WorkerSide
 
-try:  # vLLM >= 0.11.1: the hybrid KV cache manager's connector interface
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
-except ImportError:  # pragma: no cover - older vLLM: HMA stays off, the class is a plain mixin
-
-    class SupportsHMA:  # type: ignore[no-redef]
-        """Stands in for vLLM's ``SupportsHMA`` where vLLM has none."""
-
-
-try:  # vLLM with request-level load failures (``failed_recving``)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover - older vLLM
-    KVConnectorTransferResults = None
-
 log = logging.getLogger("lmprefetch.integration.vllm")
 
-#: vLLM's name for where each lmprefetch tier keeps chunks (``get_external_cache_hit_sources``):
-#: the CPU tier is host memory, the disk tier a disk; Redis, Mooncake and custom tiers are
-#: remote stores, which vLLM has no name for.  Tokens no split covers count as host memory.
-_TIER_SOURCES: dict[str, CacheHitSource] = {
-    "": CacheHitSource.HOST,
-    "cpu": CacheHitSource.HOST,
-    "disk": getattr(CacheHitSource, "DISK", CacheHitSource.HOST),
-}
-_REMOTE_SOURCE = getattr(CacheHitSource, "EXTERNAL_UNSPECIFIED", CacheHitSource.HOST)
+
+def _tier_sources() -> tuple[dict[str, Any], Any]:
+    """vLLM's name for where each lmprefetch tier keeps chunks (``get_external_cache_hit_sources``):
+    the CPU tier is host memory, the disk tier a disk; Redis, Mooncake and custom tiers are
+    remote stores, which vLLM has no name for.  Tokens no split covers count as host memory.
+    Empty on a vLLM without ``CacheHitSource`` (it never asks)."""
+    if CacheHitSource is None:
+        return {}, None
+    host = CacheHitSource.HOST
+    sources = {"": host, "cpu": host, "disk": getattr(CacheHitSource, "DISK", host)}
+    return sources, getattr(CacheHitSource, "EXTERNAL_UNSPECIFIED", host)
+
+
+_TIER_SOURCES, _REMOTE_SOURCE = _tier_sources()
 
 
 # -- the connector ------------------------------------------------------------------------------
 class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """lmprefetch as a vLLM v1 KV connector (see the module docstring).
+    """lmprefetch as a vLLM v1 KV connector (how a request travels through it:
+    :mod:`lmprefetch.integration.vllm`).
 
     It supports vLLM's hybrid KV cache manager (``SupportsHMA``), so vLLM keeps HMA on with it:
     sliding-window, mixed-head-size and Mamba / GDN hybrid models keep their per-group KV cache
     (see ``docs/vllm.md``, "Hybrid models").
     """
 
-    _cache_hit_source = CacheHitSource.HOST
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        compat.require_supported()
         super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            compat.log_degradations(log)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         config, explicit = load_prefetch_config(extra)
         # The block size comes from the KV cache groups: vLLM has rewritten
@@ -95,6 +93,14 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """False: a best-effort cache; a dropped save only costs a later miss."""
         return False
 
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any = None) -> bool:
+        """False (vLLM 0.34): lmprefetch keys a chunk by its own tokens only, never by the
+        tokens after it, so it cannot keep one copy per continuation the way vLLM's lookahead
+        block hashes (for EAGLE drafters) need; vLLM then keeps its EAGLE block drop.  See
+        docs/vllm.md, "Speculative decoding"."""
+        return False
+
     @property
     def scheduler_side(self) -> _SchedulerSide:
         if self._scheduler is None:
@@ -115,6 +121,12 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def on_new_request(self, request: Any) -> None:
         self.scheduler_side.on_new_request(request)
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): True when lmprefetch has a hit for the
+        request that it will load; vLLM then starts the load while the running batch is full
+        (see :meth:`_SchedulerSide.may_load_async`)."""
+        return self.scheduler_side.may_load_async(request)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -125,13 +137,13 @@ class LMPrefetchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
+    ) -> dict[Any, int]:
         """The planned load's tokens by the tier that served them (so vLLM's prompt tokens
         by source tell the CPU tier from disk and remote tiers); they sum to
         ``num_external_tokens``."""
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0 or CacheHitSource is None:
             return {}
-        out: dict[CacheHitSource, int] = {}
+        out: dict[Any, int] = {}
         for tier, n in self.scheduler_side.hit_sources(request, num_external_tokens).items():
             source = _TIER_SOURCES.get(tier, _REMOTE_SOURCE)
             out[source] = out.get(source, 0) + n

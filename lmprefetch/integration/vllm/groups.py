@@ -146,11 +146,6 @@ def group_hash(identity: bytes, chain_hash: int) -> int:
     return int.from_bytes(digest, "big")
 
 
-def group_hashes(identity: bytes, chain_hashes: Sequence[int]) -> list[int]:
-    """:func:`group_hash` of every chain hash."""
-    return [group_hash(identity, h) for h in chain_hashes]
-
-
 # -- reading vLLM's groups ---------------------------------------------------------------------
 def read_groups(kv_cache_config: Any, fallback_block_size: int) -> KVGroups:
     """The connector's view of ``kv_cache_config.kv_cache_groups``.

@@ -37,6 +37,9 @@ class LoadSpec:
     #: vLLM's names of the chunks (KV events on): a worker announces a chunk it held
     #: unannounced (from before a restart) once a request loads it.
     blocks: list[ChunkBlocks] | None = None
+    #: Asynchronous for vLLM (a request queued by ``may_load_async``): the worker reports the
+    #: request in ``finished_recving`` in the step it ran; failed blocks go the usual way.
+    asynchronous: bool = False
 
 
 @dataclass

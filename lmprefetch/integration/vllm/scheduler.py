@@ -21,6 +21,7 @@ from ...hashing import ChunkHasher
 from .config import _world_size, endpoint_names, kv_events_wanted
 from .groups import KVGroups, read_groups
 from .hits import HybridLookup
+from .known import KnownChunks
 from .metadata import (
     HybridLoadSpec,
     HybridSaveSpec,
@@ -103,6 +104,7 @@ class _RequestState:
         "hybrid",
         "last_num_computed",
         "live",
+        "load_async",
         "loaded_to",
         "lookup_ok",
         "max_load_tokens",
@@ -154,6 +156,9 @@ class _RequestState:
         #: tokens by tier (for ``get_external_cache_hit_sources``).
         self.tier_tokens: list[tuple[str, int]] = []
         self.sources: dict[str, int] = {}
+        #: vLLM queued the request for asynchronous loads (``may_load_async`` said True): its
+        #: hit is loaded asynchronously, whatever the model.
+        self.load_async = False
 
 
 class _SchedulerSide:
@@ -201,6 +206,8 @@ class _SchedulerSide:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_hybrid_loads: dict[str, HybridLoadSpec] = {}
         self._kv_cache_manager: Any = None
+        #: Chunks the workers were last known to hold (``may_load_async``'s answer).
+        self._known = KnownChunks()
         self.counters = _Counters()
 
     @property
@@ -329,12 +336,42 @@ class _SchedulerSide:
         st.held = answer > st.skip_tokens
         if st.held:
             st.tier_tokens = self._client.tier_tokens(st.request.request_id)
+        self._note_answer(st, answer)
+
+    def _note_answer(self, st: _RequestState, answer: int) -> None:
+        """Remember which of the looked-up chunks every rank holds (``may_load_async``)."""
+        cs = self._chunk_size
+        first, found = st.skip_tokens // cs, answer // cs
+        self._known.held(st.hashes[first:found])
+        if st.max_load_tokens is None:  # (a capped lookup probed only the chunks under its cap)
+            self._known.gone(st.hashes[max(found, first) :])
+
+    # -- loads while the running batch is full (vLLM 0.34) ------------------------------
+    def may_load_async(self, request: Any) -> bool:
+        """True when lmprefetch has a hit for ``request`` that it will load: its lookup
+        answered one, or (still pending: vLLM asks right after :meth:`on_new_request`) the
+        first chunk past vLLM's own hit is one the workers were last known to hold
+        (:mod:`.known`).  vLLM then queues the request for asynchronous loads, which start
+        while the running batch is full, and its hit is loaded asynchronously.  A dict read:
+        no I/O, no lock."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.lookup_ok or st.consumed:
+            return False
+        if st.result is not None:
+            likely = st.held
+        else:
+            first = st.skip_tokens // self._chunk_size
+            likely = first < len(st.hashes) and st.hashes[first] in self._known
+        st.load_async = likely
+        return likely
 
     def _poll(self, st: _RequestState) -> int | None:
         if st.hybrid is not None:
             if st.result is None:
                 st.result = st.hybrid.poll()
                 st.held = st.hybrid.held
+                if st.result is not None:
+                    self._note_answer(st, st.result)
             return st.result
         if st.result is None and st.live:
             answer = self._client.lookup(st.request.request_id, st.request.all_token_ids)
@@ -358,6 +395,7 @@ class _SchedulerSide:
             self.counters.add("lookup_restarts")
             self._client.forget(request.request_id)
             st.live = False
+            st.load_async = False  # vLLM put it back in its ordinary waiting queue
             self._start_lookup(st, num_computed_tokens)
         hit = self._hit(st, num_computed_tokens)
         if hit is None:
@@ -370,7 +408,8 @@ class _SchedulerSide:
             external = st.max_load_tokens  # hybrid lookups are capped at a chunk boundary
             self.counters.add("load_cap_cut")
         # Hybrid loads are asynchronous: only then can a failed one be reported by request.
-        return external, self._groups.hybrid and external > 0
+        # So is any load vLLM queued as one (may_load_async): it starts while the batch is full.
+        return external, (self._groups.hybrid or st.load_async) and external > 0
 
     def _hit(self, st: _RequestState, num_computed_tokens: int) -> int | None:
         """The request's hit in tokens from token 0 (``None`` while pending): the one place
@@ -430,6 +469,7 @@ class _SchedulerSide:
                 block_ids=block_ids[: -(-end // self._block_size)],
                 # Names for chunks the workers hold unannounced (from before a restart).
                 blocks=self._blocks_of(request, first_chunk, len(hashes[first_chunk:last_chunk])),
+                asynchronous=st.load_async,
             )
             st.sources = split_sources(st.tier_tokens, st.skip_tokens, start, end)
             # The workers keep the prefetch for the step's claim.
@@ -585,6 +625,7 @@ class _SchedulerSide:
             list(offers),
             min_state_boundary=st.loaded_to,
         )
+        self._known.held(hashes[st.saved_tokens // cs : end // cs])
         st.saved_tokens = end
         if not items:
             return None
@@ -629,6 +670,7 @@ class _SchedulerSide:
             )
             return None
         st.saved_tokens = end
+        self._known.held(hashes[first_chunk:])
         self.counters.add("save_chunks_planned", len(rows))
         return SaveSpec(
             req.request_id,
@@ -651,9 +693,14 @@ class _SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         st = self._reqs.pop(req_id, None)
-        planned = self._pending_loads.pop(req_id, None)
-        # A planned hybrid load stays planned: vLLM holds the request's blocks until a worker
-        # reports it in finished_recving, which only the load's step does.
+        planned = self._pending_loads.get(req_id)
+        if planned is not None and not planned.asynchronous:
+            del self._pending_loads[req_id]
+        else:
+            planned = None
+        # A planned asynchronous load (hybrid, or queued by may_load_async) stays planned:
+        # vLLM holds the request's blocks until a worker reports it in finished_recving,
+        # which only the load's step does.
         if st is not None and st.hybrid is not None:
             st.hybrid.cancel()
         elif st is not None and (st.live or st.held):

@@ -288,7 +288,8 @@ class _WorkerSide:
                     layout.synchronize()
 
     def take_finished_recving(self) -> tuple[set[str], set[str]]:
-        """Hybrid loads run since the last call, and those of them that failed."""
+        """Asynchronous loads (hybrid, or queued by ``may_load_async``) run since the last
+        call, and the hybrid ones of them that failed."""
         done, failed = self._recved, self._recv_failed
         self._recved, self._recv_failed = set(), set()
         return done, failed
@@ -319,6 +320,8 @@ class _WorkerSide:
                 "request %s: loaded %d of %d blocks; vLLM recomputes the rest",
                 spec.req_id, loaded_to - start_block, end_block - start_block,
             )  # fmt: skip
+        if spec.asynchronous:
+            self._recved.add(spec.req_id)
 
     def _claim_and_copy(
         self,

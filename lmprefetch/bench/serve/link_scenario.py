@@ -1,0 +1,227 @@
+"""bench-serve's Redis link scenarios (``slow_remote_*``, ``fast_remote_*``).
+
+A first server fills Redis over loopback; a second one, with the load policy under test and a
+CPU tier too small to keep a document, reads every hit through the link (:mod:`.link` shapes
+the slow one).  The link as a client sees it is measured before the server uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .model import kv_bytes_per_token
+from .options import Scenario, ServeBenchOptions
+from .procs import ManagedProcess, ProcessSet, ServerError, free_port
+from .rounds import WorkloadStats, run_round, send_request, warm_up
+from .servers import Context, ScenarioUnavailable, lmprefetch_kv_config, start_server, stop_server
+from .stores import chunk_keys, start_redis, wait_in_redis
+from .workloads import long_doc_rounds, probe_prompts
+
+__all__ = ["has_load_policy", "link_cpu_bytes", "run_link_scenario"]
+
+
+#: A lookup, a tier operation and a Redis call on the measured server of a link scenario may
+#: take this long: "always" must load every hit, however slow the link, not give up and
+#: recompute (the policy under test decides that, not a deadline).
+_LINK_TIMEOUTS = {"lookup_timeout_s": 120.0, "tier_timeout_s": 120.0, "redis_timeout_s": 60.0}
+
+
+def has_load_policy() -> bool:
+    """Whether this lmprefetch has the ``load_policy`` setting (the servers run this code)."""
+    from ...config import PrefetchConfig
+
+    return "load_policy" in PrefetchConfig().to_dict()
+
+
+def link_cpu_bytes(opts: ServeBenchOptions) -> int:
+    """The measured server's CPU tier (all of lmprefetch's host memory) in a link scenario:
+    twice one request's load (every whole chunk of a document, and one more), since a lookup
+    may hold at most half the arena (the prefetch limiter); that is less than three
+    documents, so with four or more a document is evicted before it comes back (every other
+    document passes in between) and every hit is read from Redis."""
+    chunk_bytes = opts.chunk_size * kv_bytes_per_token(opts.model)
+    chunks = opts.long_doc.doc_tokens // opts.chunk_size + 1
+    return 2 * chunks * chunk_bytes
+
+
+def _redis_sent_bytes(redis_url: str) -> int:
+    """Redis's ``total_net_output_bytes`` (blocking: call it in a thread)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.info("stats")["total_net_output_bytes"])
+    finally:
+        client.close()
+
+
+def _time_link(redis_url: str, name: bytes, repeats: int = 3) -> dict[str, float]:
+    """The link as a client sees it, measured before the server uses it: the best of a few
+    ``PING`` round trips and ``GET`` of one chunk (blocking: call it in a thread)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ping, get, size = math.inf, math.inf, 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            client.ping()
+            ping = min(ping, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            value = client.get(name)
+            get = min(get, time.perf_counter() - t0)
+            size = len(value) if isinstance(value, bytes) else 0
+        return {"ping_ms": ping * 1e3, "chunk_get_ms": get * 1e3, "chunk_bytes": size}
+    finally:
+        client.close()
+
+
+async def _open_link(
+    procs: ProcessSet, ctx: Context, sc: Scenario, redis_port: int, stack: contextlib.AsyncExitStack
+) -> tuple[int, dict[str, Any]]:
+    """The port the measured server reads Redis through, and what the link is (for the
+    report): Redis's own port for the fast link; for the slow one, the port ``tc`` shapes,
+    Redis's own with ``netem``, else a :class:`.link.DelayProxy`'s in front of it."""
+    from ..netns import loopback_only
+    from .link import PROXY_READY, LinkSpec, Shaper
+
+    if sc.link == "fast":
+        return redis_port, {"kind": "fast", "mechanism": "none (loopback, unthrottled)"}
+    opts = ctx.opts
+    spec = LinkSpec(opts.slow_link_rate, opts.slow_link_delay_s)
+    if not loopback_only():
+        raise ScenarioUnavailable(
+            "the slow link is shaped with tc on the loopback interface of a private network "
+            "namespace; bench-serve enters one itself where unshare is allowed (here it did "
+            "not: run it as root, or where user namespaces are allowed)"
+        )
+    shaper = Shaper()
+    netem, why = await trio.to_thread.run_sync(shaper.netem_available)
+    port = redis_port
+    if not netem:
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "lmprefetch.bench.serve.link", "proxy",
+            "--listen", str(port), "--target", str(redis_port),
+            "--delay-ms", f"{spec.delay_s * 1e3:g}",
+        ]  # fmt: skip
+        proxy = ManagedProcess("delay proxy", argv, dict(os.environ), PROXY_READY)
+        await procs.start(proxy, 60.0)
+    try:
+        await trio.to_thread.run_sync(partial(shaper.install, port, spec, netem=netem))
+    except OSError as exc:
+        raise ScenarioUnavailable(f"tc cannot shape the loopback interface here: {exc}") from None
+
+    async def remove() -> None:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(shaper.remove)
+
+    stack.push_async_callback(remove)
+    info: dict[str, Any] = {
+        "kind": "slow",
+        "mechanism": "netem" if netem else "htb+proxy",
+        "rate_bytes_per_s": spec.rate_bytes_per_s,
+        "delay_ms": spec.delay_s * 1e3,
+        "shaped_port": port,
+        "redis_port": redis_port,
+    }
+    if not netem:
+        info["netem_unavailable"] = why
+    return port, info
+
+
+async def run_link_scenario(
+    ctx: Context, sc: Scenario, procs: ProcessSet, scenario_tmp: Path
+) -> dict[str, Any]:
+    """A Redis link scenario (:class:`.options.Scenario` ``link``): a first server computes
+    every document once (long-document QA round 0) and so fills Redis, over loopback; once
+    Redis holds every chunk it stops, the link is set up, and a second server (its own
+    ``load_policy``, a CPU tier too small to keep a document until it comes back, no disk)
+    serves the measured rounds, reading Redis through the link.  Chat and probes are not
+    run."""
+    opts = ctx.opts
+    policy = sc.load_policy or "always"
+    supported = await trio.to_thread.run_sync(has_load_policy)
+    if policy != "always" and not supported:
+        raise ScenarioUnavailable(
+            f"this lmprefetch has no load_policy setting, so load_policy {policy!r} cannot be "
+            "set (issue 20's policy)"
+        )
+    redis_url = await start_redis(procs, ctx, scenario_tmp)
+    redis_port = int(redis_url.rsplit(":", 1)[1])
+    # At least 3 measured rounds (the same documents, more questions): cheap here, and the
+    # p50s of the goals come from these alone.
+    rounds = long_doc_rounds(opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed)
+    ctx.progress.begin(sc.name, sum(len(r) for r in rounds))
+    startups: list[float] = []
+    async with contextlib.AsyncExitStack() as stack:
+        ctx.progress.status("filling Redis")
+        warm = await start_server(
+            procs,
+            ctx,
+            f"{sc.name} server filling Redis",
+            prefix_caching=True,
+            kv_transfer_config=lmprefetch_kv_config(opts, redis_url=redis_url),
+        )
+        startups.append(warm.startup_s)
+        await run_round(ctx, rounds[0], [warm], lambda _: 0, 1, WorkloadStats())
+        docs = [req.prompt for req in rounds[0]]
+        if not await wait_in_redis(ctx, redis_url, docs):
+            raise ServerError("the documents' chunks did not all reach Redis within 60 s")
+        await stop_server(procs, warm)
+
+        port, link = await _open_link(procs, ctx, sc, redis_port, stack)
+        from ...tiers.redis import redis_key
+
+        first_chunk = redis_key(chunk_keys(ctx, docs[:1])[0])
+        link["measured"] = await trio.to_thread.run_sync(
+            _time_link, f"redis://127.0.0.1:{port}", first_chunk
+        )
+        kv_config = lmprefetch_kv_config(opts, redis_url=f"redis://127.0.0.1:{port}")
+        extra = kv_config["kv_connector_extra_config"]
+        extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
+        if supported:
+            extra["load_policy"] = policy
+        ctx.progress.status("starting the measured server")
+        server = await start_server(
+            procs, ctx, f"{sc.name} server", prefix_caching=True, kv_transfer_config=kv_config
+        )
+        startups.append(server.startup_s)
+        ctx.progress.status("")
+        try:
+            # First-run costs off the measured requests, and the engine's prefill measured at
+            # a document's length (the cost policy's input): two fresh documents, computed.
+            # Their chunks are stored to Redis through the link; wait until they are there, so
+            # their writes do not share the link with the first measured loads.
+            fresh = probe_prompts(2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1)
+            await warm_up(ctx, server)
+            for prompt in fresh:
+                await send_request(ctx, server, prompt, 1)
+            await wait_in_redis(ctx, redis_url, fresh)
+            stats = WorkloadStats()
+            sent_before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+            for requests in rounds[1:]:
+                await run_round(ctx, requests, [server], lambda _: 0, 1, stats)
+            sent = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url) - sent_before
+        finally:
+            await server.client.aclose()
+            ctx.progress.end()
+    return {
+        "long_doc_qa": stats,
+        "chat": None,
+        "startup_s": startups,
+        "link": link,
+        "load_policy": policy,
+        "load_policy_set": supported,
+        "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
+        "redis_sent_bytes": sent,
+    }

@@ -1,0 +1,602 @@
+"""A lookup's I/O, top to bottom: probe the tiers, let the policy decide, load, keep the prefix.
+
+:class:`LookupIO` is the part of an :class:`~lmprefetch.prefetch.Engine` that runs lookups; it
+moves each lookup's record (:class:`~lmprefetch.lookup._Lookup`) through its states and tells
+the engine's table of lookups what it decided.  Read one lookup in this order:
+
+1. :meth:`LookupIO.start` builds ``cum_tokens`` from ``(hashes, offsets)`` (``cum_tokens[i]``
+   is the number of tokens in the first ``i`` chunks), starts the record, and answers at once
+   what needs no tier: a request that makes no sense, a deadline already passed, a closed
+   engine.  A policy that decides before probing (:class:`~lmprefetch.policy.Decides`) is
+   asked here; its answer bounds the chunks probed (``never``: none, so the lookup answers at
+   once).
+2. When memory can answer (:meth:`LookupIO._hits_in_memory`: the CPU tier holds the prompt, or
+   a prefix after which every other tier rules itself out without I/O), probing is a
+   dictionary walk and loading is taking owner references on the cached buffers, so the
+   record holds or ends at once, inside ``start``: no task (a 16-chunk CPU hit in tens of
+   microseconds).
+3. Otherwise one task runs the lookup (:meth:`LookupIO._run`), in its own cancel scope, and
+   owns everything the lookup takes through an exit stack.  Tiers are probed in order on the
+   keys no earlier tier hit (:meth:`LookupIO._probe_and_load`); a probe pins what it counts,
+   and the pins are registered with the exit stack before the next checkpoint.  A tier with
+   no hit is skipped; a tier that raises or times out ends the prefix there.  Each tier's
+   share of the hit is a :class:`_Part`.  A zero-copy tier's hits are taken at once (owner
+   references); another tier's load (:meth:`LookupIO._load_part`) runs in the task's nursery
+   under the weighted limiter (weight = chunks), into freshly allocated arena buffers, while
+   the next tier is probed — at once when the policy decided before probing, otherwise once
+   every tier was probed and the policy chose how many hit chunks to load (what it drops is
+   released first).  Allocation failure is a shorter prefix, never a wait.  A part is loaded
+   by one algorithm (:meth:`LookupIO._load_batches`): in order, in one call without a load
+   deadline, in up to :data:`LOAD_BATCHES` calls with one, so that the deadline keeps what
+   already arrived.  The loads stop at the lookup's deadline (or ``load_deadline_s``).
+4. After the loads the chunks loaded *contiguously* from the first chunk go to the record
+   (``hold``), everything past the first hole is released at once, and the lookup answers; a
+   lookup with nothing to hold answers when its task has released everything (``end``).
+
+Every tier call goes through :meth:`LookupIO._tier_load` (bounded by ``tier_timeout_s``; a tier
+that raises or times out shortens the prefix) or the probe in :meth:`LookupIO._probe_and_load`:
+those are the seams between a lookup and its tiers.
+
+Cancellation: a lookup is cancelled through its record (``cancel`` cancels the task's scope);
+the task then unwinds, its exit stack releases every pin and buffer it still owns, and the
+lookup answers 0.  Nothing here blocks the Trio thread.
+
+The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
+``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import ExitStack
+from itertools import accumulate
+from typing import Final, cast
+
+import trio
+
+from .config import PrefetchConfig
+from .keys import ChunkKey, KeyMaker
+from .limiter import WeightedCapacityLimiter
+from .lookup import AnswerCallback, _Lookup, _Lookups
+from .memory import Arena, Buffer
+from .policy import Decides, HitPart, LoadPolicy, LoadRequest, PrefillModel, when_decides
+from .tiers.base import Tier, ZeroCopyTier
+from .tiers.cpu import CpuTier
+
+__all__ = ["LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
+
+log = logging.getLogger("lmprefetch.engine")
+
+#: With ``load_deadline_s`` set, a tier's part is loaded in up to this many calls, in order,
+#: so that a cut keeps what already arrived (see :meth:`LookupIO._load_batches`); without
+#: it, in one call.
+LOAD_BATCHES: Final = 8
+#: ... and this many of them in flight at once.
+LOAD_DEPTH: Final = 3
+
+Pairs = list[tuple[ChunkKey, Buffer]]
+
+
+class _Pins:
+    """The pins one probe took on one tier; released exactly once, possibly in parts."""
+
+    __slots__ = ("keys", "tier")
+
+    def __init__(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
+        self.tier = tier
+        self.keys = list(keys)
+
+    def release_from(self, index: int) -> None:
+        tail, self.keys = self.keys[index:], self.keys[:index]
+        if tail:
+            self.tier.unpin(tail)
+
+    def release(self) -> None:
+        self.release_from(0)
+
+
+class _Part:
+    """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
+
+    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier", "zero_copy")
+
+    def __init__(
+        self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins, zero_copy: bool
+    ):
+        self.tier = tier
+        self.keys = keys
+        self.n_chunks = n_chunks
+        self.pins = pins
+        self.zero_copy = zero_copy
+        self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
+        self.loaded = 0  # whole chunks loaded contiguously from the part's first
+
+    def release_buffers(self, start: int = 0) -> None:
+        tail, self.buffers = self.buffers[start:], self.buffers[:start]
+        for buf in tail:
+            buf.release()
+
+    def truncate(self, n_chunks: int, kpc: int) -> None:
+        """Keep only the first ``n_chunks`` chunks: the rest's pins and buffers are released
+        now (synchronous)."""
+        self.n_chunks = n_chunks
+        self.keys = self.keys[: n_chunks * kpc]
+        self.pins.release_from(n_chunks * kpc)
+        self.release_buffers(n_chunks * kpc)
+        self.loaded = min(self.loaded, n_chunks)
+
+
+def _release_pairs(pairs: Pairs) -> None:
+    for _, buf in pairs:
+        buf.release()
+
+
+class LookupIO:
+    """One engine's lookups, from the request to the record's answer (see the module
+    docstring).  Everything runs on the engine's Trio thread.
+
+    Args:
+        config: ``lookup_timeout_s``, ``load_deadline_s``, ``tier_timeout_s``,
+            ``chunk_bytes`` and ``keys_per_chunk`` are used.
+        keys: the engine's key maker.
+        arena: where loaded chunks go.
+        cpu: the CPU tier (the memory that answers without a task).
+        tiers: every tier, in probe order (the CPU tier first).
+        limiter: the weighted limiter every load holds.
+        policy: the load policy.
+        prefill: the engine's prefill cost, for the policy.
+        lookups: the engine's table of lookups.
+        nursery: where lookup tasks run.
+    """
+
+    def __init__(
+        self,
+        config: PrefetchConfig,
+        *,
+        keys: KeyMaker,
+        arena: Arena,
+        cpu: CpuTier,
+        tiers: Sequence[Tier],
+        limiter: WeightedCapacityLimiter,
+        policy: LoadPolicy,
+        prefill: PrefillModel,
+        lookups: _Lookups,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._config = config
+        self._keys = keys
+        self._arena = arena
+        self._cpu = cpu
+        # What each tier can do, decided once: zero-copy hits are taken synchronously
+        # (references on cached buffers) instead of loaded.
+        self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
+            (t, isinstance(t, ZeroCopyTier)) for t in tiers
+        )
+        self._other_tiers = tuple(t for t in tiers if t is not cpu)
+        self._limiter = limiter
+        #: The load policy, and whether it decides before probing (read once).
+        self.policy = policy
+        self._decides_first = when_decides(policy) is Decides.BEFORE_PROBING
+        self._prefill = prefill
+        self._lookups = lookups
+        self._nursery = nursery
+        self._kpc = config.keys_per_chunk
+        self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
+        #: Set when the engine closes: new lookups answer 0.
+        self.closed = False
+
+    # -- 1. the request ---------------------------------------------------------------
+    def start(
+        self,
+        lookup_id: str,
+        hashes: Sequence[int],
+        offsets: Sequence[int],
+        *,
+        on_answer: AnswerCallback,
+        seq: int,
+        deadline: float | None,
+        skip_chunks: int,
+    ) -> _Lookup:
+        """See :meth:`Engine.start_lookup <lmprefetch.prefetch.Engine.start_lookup>`."""
+        started = trio.current_time()
+        lookups = self._lookups
+        old = lookups.by_id.get(lookup_id)
+        if old is not None:
+            old.cancel()
+        rec = lookups.start(lookup_id, seq, on_answer, started)
+        n_chunks = len(hashes)
+        if (
+            len(offsets) != n_chunks
+            or not 0 <= skip_chunks <= n_chunks
+            or (n_chunks and min(offsets) <= 0)
+        ):
+            lookups.note_malformed()
+            rec.end(0)
+            return rec
+        if self.closed:
+            rec.end(0)
+            return rec
+        if deadline is None:
+            deadline = started + self._config.lookup_timeout_s
+        elif deadline <= started:
+            lookups.note_deadline_expired()
+            rec.end(0)
+            return rec
+        if skip_chunks == n_chunks:
+            rec.end(sum(offsets))
+            return rec
+        skipped_tokens = sum(offsets[:skip_chunks]) if skip_chunks else 0
+        end = n_chunks  # the chunks this lookup may probe and load, skipped ones included
+        if self._decides_first:
+            request = LoadRequest(
+                parts=(),
+                chunk_tokens=tuple(offsets[skip_chunks:]),
+                computed_tokens=skipped_tokens,
+                prompt_tokens=sum(offsets),
+                prefill=self._prefill,
+            )
+            end = skip_chunks + self._ask_policy(request)
+            if end == skip_chunks:  # load nothing: probe nothing, hold nothing
+                lookups.note_decision(n_chunks - skip_chunks, 0)
+                rec.end(skipped_tokens)
+                return rec
+
+        # -- 2. memory answers: no task ---------------------------------------------------
+        held = self._hits_in_memory(hashes, skip_chunks, end)
+        if held is not None:
+            found = keep = len(held) // self._kpc
+            if found and not self._decides_first:
+                keep = self._decide(
+                    [(self._cpu, found, True)],
+                    offsets[skip_chunks : skip_chunks + found],
+                    skipped_tokens,
+                    sum(offsets),
+                )
+                _release_pairs(held[keep * self._kpc :])
+                del held[keep * self._kpc :]
+            lookups.note_decision(found, keep)
+            if held:
+                hit_tokens = skipped_tokens + sum(offsets[skip_chunks : skip_chunks + keep])
+                rec.hold(held, hit_tokens, ((self._cpu.name, hit_tokens - skipped_tokens),))
+            else:
+                rec.end(skipped_tokens)
+            return rec
+
+        # -- 3. a task probes and loads ---------------------------------------------------
+        load_deadline_s = self._config.load_deadline_s
+        if load_deadline_s is not None:
+            deadline = min(deadline, started + load_deadline_s)
+        cum = [0, *accumulate(offsets)]
+        keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
+        self._nursery.start_soon(
+            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline,
+            name=f"lookup:{lookup_id}",
+        )  # fmt: skip
+        return rec
+
+    def _hits_in_memory(self, hashes: Sequence[int], skip_chunks: int, end: int) -> Pairs | None:
+        """The lookup's result when no tier needs I/O to tell, else ``None``.
+
+        That is the case when the CPU tier holds every chunk up to ``end``, or holds a prefix
+        that every other tier can rule out going on from (``contains_now`` is ``False``): then
+        probing is a dictionary walk and loading is taking owner references, all synchronous.
+        Returns the ``(key, buffer)`` pairs of the whole chunks hit (owner references the
+        caller now owns), possibly none.
+        """
+        cpu, kpc = self._cpu, self._kpc
+        first_key = self._keys.first_key
+        firsts: list[ChunkKey] = []  # the first key of each chunk the CPU tier holds
+        hit = skip_chunks
+        while hit < end:
+            nxt = first_key(hashes[hit])
+            if not cpu.contains_now(nxt):
+                # Can a tier after the CPU tier go on from here?  (None: it cannot tell.)
+                for tier in self._other_tiers:
+                    if tier.contains_now(nxt) is not False:
+                        return None
+                break
+            firsts.append(nxt)
+            hit += 1
+        if hit == skip_chunks:
+            return []  # a miss every tier rules out without I/O
+        # One key per chunk is its first key; layerwise chunks have a key per layer.
+        keys = firsts if kpc == 1 else self._keys.keys(hashes[skip_chunks:hit])
+        buffers = cpu.acquire(keys)
+        whole = len(buffers) // kpc * kpc
+        for buf in buffers[whole:]:
+            buf.release()
+        return list(zip(keys, buffers[:whole]))
+
+    # -- 3. the lookup's task -----------------------------------------------------------
+    async def _run(
+        self,
+        rec: _Lookup,
+        scope: trio.CancelScope,
+        keys: list[ChunkKey],
+        cum: list[int],
+        skip_chunks: int,
+        deadline: float,
+    ) -> None:
+        """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
+        until the contiguous prefix moves to the record."""
+        chunks = 0  # what a lookup that fails or is cancelled answers
+        try:
+            with scope, ExitStack() as owned:
+                try:
+                    total, loaded, sources = await self._probe_and_load(
+                        keys, cum, skip_chunks, deadline, owned
+                    )
+                except Exception:
+                    # Not a tier's failure (those end the prefix inside): a bug, said loudly.
+                    log.exception("lookup %s failed; answering 0", rec.lookup_id)
+                    self._lookups.note_failed()
+                else:
+                    # No checkpoint since the loads ended: the pairs go to the record (or, if
+                    # it was cancelled meanwhile, are released) before anything else runs.
+                    if loaded and rec.hold(loaded, cum[total], sources):
+                        return
+                    chunks = skip_chunks  # nothing loaded: the skipped chunks still count
+        finally:
+            # Whatever the task took is released by now: a lookup that holds nothing
+            # answers here (0 once cancelled); one that holds answered above.
+            rec.end(cum[chunks])
+
+    async def _probe_and_load(
+        self,
+        keys: list[ChunkKey],
+        cum: list[int],
+        skip_chunks: int,
+        deadline: float,
+        owned: ExitStack,
+    ) -> tuple[int, Pairs, tuple[tuple[str, int], ...]]:
+        """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
+        ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), and the
+        tokens each tier served.
+
+        A policy that decided before probing has bounded ``keys`` already: each tier's load
+        starts as soon as its probe answers.  Any other policy decides once every tier was
+        probed (:meth:`_decide`), before any load starts; the pins (and zero-copy references)
+        of the chunks past its answer are released at once.  At ``deadline`` the probes and
+        loads still running are cancelled: the prefix loaded by then is kept, and the cut is
+        counted."""
+        kpc = self._kpc
+        load_at_once = self._decides_first
+        n_chunks = len(keys) // kpc
+        next_chunk = skip_chunks
+        parts: list[_Part] = []
+
+        # Parts own their buffers until the contiguous ones are handed out.
+        @owned.callback
+        def release_parts() -> None:
+            for part in parts:
+                part.release_buffers()
+
+        tier_timeout = self._config.tier_timeout_s
+        with trio.move_on_at(deadline) as budget:
+            async with trio.open_nursery() as loads:
+                for tier, zero_copy in self._probe_order:
+                    if next_chunk >= n_chunks:
+                        break  # everything hit: stop probing early
+                    remaining = keys[next_chunk * kpc :]
+                    probe_t0 = trio.current_time()
+                    try:
+                        with trio.move_on_after(tier_timeout) as probe:
+                            raw = await tier.contains_prefix(remaining, pin=True)
+                    except Exception:
+                        log.warning(
+                            "tier %s failed a probe; prefix ends there", tier.name, exc_info=True
+                        )
+                        tier.stats.errors += 1
+                        break
+                    if probe.cancelled_caught:
+                        log.warning("tier %s probe timed out; prefix ends there", tier.name)
+                        tier.stats.errors += 1
+                        break
+                    # No checkpoint from here until the part is registered.
+                    tier.stats.observe_probe(trio.current_time() - probe_t0)
+                    raw = max(0, min(raw, len(remaining)))
+                    pins = _Pins(tier, remaining[:raw])
+                    owned.callback(pins.release)
+                    hit = raw // kpc
+                    pins.release_from(hit * kpc)  # round down to whole chunks
+                    if hit == 0:
+                        continue  # the next tier gets the same keys
+                    part = _Part(tier, remaining[: hit * kpc], hit, pins, zero_copy)
+                    parts.append(part)
+                    next_chunk += hit
+                    if zero_copy:
+                        # Owner references on the cached buffers, taken synchronously; they
+                        # keep the entries from eviction, so the pins go.
+                        zero_copy_tier = cast(ZeroCopyTier, tier)  # pragma: no mutate (a type)
+                        part.buffers = zero_copy_tier.acquire(part.keys)
+                        part.loaded = len(part.buffers) // kpc
+                        part.release_buffers(part.loaded * kpc)
+                        part.pins.release()
+                    elif load_at_once:
+                        loads.start_soon(self._load_part, part)
+                # No checkpoint from the last probe to the loads' start: the policy decides,
+                # and what it drops is released now.
+                found = next_chunk - skip_chunks
+                keep = found
+                if found and not load_at_once:
+                    keep = self._decide(
+                        [(p.tier, p.n_chunks, p.zero_copy) for p in parts],
+                        [cum[i + 1] - cum[i] for i in range(skip_chunks, next_chunk)],
+                        cum[skip_chunks],
+                        cum[-1],
+                    )
+                    for part in parts:
+                        part.truncate(min(part.n_chunks, keep), kpc)
+                        keep -= part.n_chunks
+                        if part.n_chunks and not part.zero_copy:
+                            loads.start_soon(self._load_part, part)
+                    keep = sum(p.n_chunks for p in parts)
+                self._lookups.note_decision(found, keep)
+        # -- 4. keep the contiguous prefix; release everything past the first hole ----------
+        total = skip_chunks
+        kept: Pairs = []
+        sources: list[tuple[str, int]] = []
+        hole = False
+        for part in parts:
+            if hole:
+                part.release_buffers()
+                continue
+            keep = part.loaded * kpc
+            kept.extend(zip(part.keys[:keep], part.buffers[:keep]))
+            part.buffers = part.buffers[keep:]
+            part.release_buffers()
+            if part.loaded:  # each tier has one part: its name appears once
+                sources.append((part.tier.name, cum[total + part.loaded] - cum[total]))
+            total += part.loaded
+            hole = part.loaded < part.n_chunks
+        if budget.cancelled_caught and (hole or next_chunk < n_chunks):
+            # The deadline cut a load, or a probe that might have found more.
+            self._lookups.note_deadline_cut()
+        return total, kept, tuple(sources)
+
+    # -- the policy ---------------------------------------------------------------------
+    def _decide(
+        self,
+        parts: Sequence[tuple[Tier, int, bool]],
+        chunk_tokens: Sequence[int],
+        computed_tokens: int,
+        prompt_tokens: int,
+    ) -> int:
+        """How many of the hit chunks (``parts``: tier, chunks, zero-copy, in prefix order;
+        ``chunk_tokens``: the tokens of each) to load, asked of a policy that decides after
+        probing.  Synchronous, so no pin or buffer changes hands while it runs."""
+        chunk_bytes = self._config.chunk_bytes
+        return self._ask_policy(
+            LoadRequest(
+                parts=tuple(
+                    HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost()) for t, n, zc in parts
+                ),
+                chunk_tokens=tuple(chunk_tokens),
+                computed_tokens=computed_tokens,
+                prompt_tokens=prompt_tokens,
+                prefill=self._prefill,
+            )
+        )
+
+    def _ask_policy(self, request: LoadRequest) -> int:
+        """The policy's answer to ``request``, clamped to ``[0, request.hit_chunks]``; the
+        whole hit when the policy raises (logged)."""
+        policy = self.policy
+        n = request.hit_chunks
+        try:
+            keep = max(0, min(n, int(policy.chunks_to_load(request))))
+        except Exception:
+            log.exception("load policy %r failed; loading the whole hit", policy)
+            keep = n
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "load policy %s: %d of %d chunks; tiers %s; prefill (s/token, s/attention) %s",
+                type(policy).__name__, keep, n,
+                [(p.tier, p.chunks, p.cost) for p in request.parts],
+                self._prefill.coefficients(),
+            )  # fmt: skip
+        return keep
+
+    # -- loading one tier's part ----------------------------------------------------------
+    async def _load_part(self, part: _Part) -> None:
+        """Load one tier's hit chunks into new arena buffers, under the limiter.
+
+        Only the tier's own ``load`` may fail softly (see :meth:`_tier_load`); an exception
+        from anything else here is a bug in lmprefetch and fails the lookup, loudly.
+        """
+        kpc = self._kpc
+        try:
+            async with self._limiter.hold(part.n_chunks) as granted:
+                want = granted * kpc
+                self._cpu.make_room(want)
+                part.buffers = self._arena.allocate_many(want)
+                usable = len(part.buffers) // kpc * kpc
+                part.release_buffers(usable)  # allocation failure: a shorter prefix
+                if usable:
+                    await self._load_batches(part, usable // kpc)
+                    part.release_buffers(part.loaded * kpc)
+        finally:
+            part.pins.release()
+
+    async def _load_batches(self, part: _Part, chunks: int) -> None:
+        """Load a part's first ``chunks`` chunks (their buffers allocated) in order, in up to
+        ``self._calls_per_part`` calls (one without ``load_deadline_s``, :data:`LOAD_BATCHES`
+        with it), :data:`LOAD_DEPTH` at a time (which hides a call's round trip behind the
+        previous call's transfer), so that when the deadline cancels the loads,
+        ``part.loaded`` is the prefix already in memory, not nothing.
+
+        ``part.loaded`` moves forward as each call ends, over the calls that ended whole and
+        in order; once a call ends short, no later one starts.  The tier's throughput is
+        measured over the part (the bytes of that prefix over the time since the first call),
+        also when the deadline cuts it: calls run side by side, so one call's time would count
+        the link's share of the others."""
+        kpc = self._kpc
+        tier = part.tier
+        per = -(-chunks // self._calls_per_part)
+        bounds = [(lo, min(lo + per, chunks)) for lo in range(0, chunks, per)]
+        filled: list[int | None] = [None] * len(bounds)  # whole chunks from each call's first
+        short = False  # a call ended short: the calls after it cannot extend the prefix
+
+        async def load_batch(index: int) -> None:
+            nonlocal short
+            lo, hi = bounds[index]
+            got = await self._tier_load(
+                tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc]
+            )
+            filled[index] = got // kpc
+            short = short or lo + got // kpc < hi
+            loaded = 0
+            for (first, last), whole in zip(bounds, filled):
+                if whole is None:
+                    break
+                loaded += whole
+                if first + whole < last:
+                    break
+            part.loaded = loaded
+
+        t0 = trio.current_time()
+        try:
+            if len(bounds) == 1:  # one call: it needs no task of its own
+                await load_batch(0)
+                return
+            slots = trio.Semaphore(LOAD_DEPTH)
+
+            async def in_slot(index: int) -> None:
+                try:
+                    await load_batch(index)
+                finally:
+                    slots.release()
+
+            async with trio.open_nursery() as batches:
+                for index in range(len(bounds)):
+                    await slots.acquire()
+                    if short:
+                        slots.release()
+                        break
+                    batches.start_soon(in_slot, index)
+        finally:
+            if part.loaded:
+                n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
+                tier.stats.observe_load(n_bytes, trio.current_time() - t0)
+
+    async def _tier_load(
+        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
+    ) -> int:
+        """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
+        when the tier raises or times out (the prefix ends at this tier; D05)."""
+        t0 = trio.current_time()
+        tier.stats.load_started(t0)
+        try:
+            with trio.move_on_after(self._config.tier_timeout_s):
+                return max(0, min(await tier.load(keys, buffers), len(keys)))
+        except Exception:
+            log.warning("tier %s failed a load; prefix ends there", tier.name, exc_info=True)
+            tier.stats.errors += 1
+            return 0
+        finally:
+            now = trio.current_time()
+            tier.stats.load_ended(now, now - t0)
+        log.warning("tier %s load timed out; prefix ends there", tier.name)
+        tier.stats.errors += 1
+        return 0
