@@ -126,7 +126,7 @@ def _on_signal(signum: int, _frame: object) -> None:
 def handling(*, restore: bool = True) -> Iterator[None]:
     """SIGINT and SIGTERM stop the command (see the module docstring) while the block runs.
 
-    Installed only in the main thread (elsewhere Python cannot), and not for a signal this
+    Installed only in the main thread (elsewhere Python cannot), also for a signal this
     process was started with ignored.  A signal can come while the handlers are being
     installed or put back: a caller catches :class:`Stopped` around the ``with`` statement,
     not only inside it.
@@ -144,11 +144,10 @@ def handling(*, restore: bool = True) -> Iterator[None]:
     _state.wake_r, _state.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     _state.installed = True
     try:
-        for sig, handler in previous.items():
-            # A signal ignored from the start stays ignored (``nohup``, a background job of a
-            # shell script): whoever started the command asked for that.
-            if handler is not signal.SIG_IGN:
-                signal.signal(sig, _on_signal)
+        for sig in SIGNALS:
+            # Even one this process was started with ignored: a shell script's background job
+            # inherits SIGINT ignored, and `kill -INT` is still a way to stop the command.
+            signal.signal(sig, _on_signal)
         yield
     finally:
         for sig, handler in previous.items():

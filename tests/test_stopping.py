@@ -165,21 +165,19 @@ def test_a_terminal_shows_the_last_redraw_of_a_line() -> None:
     assert rendered("\r\x1b[2K[#...] 25%") == ["[#...] 25%"]
 
 
-def test_a_signal_ignored_from_the_start_stays_ignored(tmp_path: Path) -> None:
-    """A command started with SIGINT ignored (``nohup``, a background job of a script) is not
-    stopped by one: whoever started it asked for that.  SIGTERM still stops it."""
-    code = (
+def test_a_command_started_with_sigint_ignored_still_stops_on_one(tmp_path: Path) -> None:
+    """A shell script's background job inherits SIGINT ignored (so does a test suite started
+    as one): ``kill -INT`` must stop the command all the same."""
+    case = Case("worker, SIGINT ignored at start", [
+        sys.executable, "-c",
         "import signal, sys\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "from lmprefetch import _stopping\n"
-        "with _stopping.handling():\n"
-        "    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
-        "    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=False)  # fmt: skip
-    assert out.stdout == "ok\n", out.stderr
+        "from lmprefetch.cli import main\n"
+        "sys.exit(main())\n",
+        "worker", "--request-endpoint", "ipc://@lmp-stop-{}-w", "--response-endpoint",
+        "ipc://@lmp-stop-{}-s", "--config", "{fifo}",
+    ], stopping.IMPORTS, signal.SIGINT, False)  # fmt: skip
+    assert_stopped_at_once_with_one_line_and_nothing_left(case, tmp_path)
 
 
 def test_the_package_imports_nothing_heavy() -> None:
