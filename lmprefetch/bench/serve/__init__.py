@@ -52,7 +52,14 @@ from pathlib import Path
 from typing import Any
 
 from .model import MODEL_CHOICES, choose_model
-from .options import DEFAULT_SCENARIOS, LINK_SCENARIOS, SCENARIO_NAMES, ServeBenchOptions
+from .options import (
+    DEFAULT_SCENARIOS,
+    LINK_SCENARIOS,
+    SCENARIO_NAMES,
+    ServeBenchOptions,
+    positive_number,
+    scenario_list,
+)
 
 __all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
 
@@ -88,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and speed-ups to FILE")
     p.add_argument(
         "--scenarios",
+        type=scenario_list,
         default=",".join(DEFAULT_SCENARIOS),
         help=f"comma-separated subset of: {', '.join(SCENARIO_NAMES)} (default: all but the "
         "Redis link scenarios *_remote_*)",
@@ -114,14 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", type=int, help=f"same-prompt probes (default {d.probes})")
     p.add_argument(
         "--slow-link-rate",
-        type=float,
+        type=positive_number("MB/s"),
         metavar="MB/S",
         help=f"the slow_remote scenarios' link rate, each way "
         f"(default {d.slow_link_rate / 1e6:g} MB/s)",
     )
     p.add_argument(
         "--slow-link-delay-ms",
-        type=float,
+        type=positive_number("ms"),
         metavar="MS",
         help=f"the slow_remote scenarios' one-way delay (default {d.slow_link_delay_s * 1e3:g})",
     )
@@ -191,12 +199,17 @@ def main(args: argparse.Namespace) -> int:
     )
     opts.validate()
     # Only now: these need the vllm extra (httpx among it), which preflight checked.
-    import trio
-
+    from ..._stopping import run_trio
     from .report import exit_status, format_report, plot, summarize
     from .run import run_bench_serve
 
-    summary = summarize(trio.run(run_bench_serve, opts))
+    # A stop signal cancels the run: every server is stopped, every file removed.
+    try:
+        summary = summarize(run_trio(run_bench_serve, opts))
+    except BaseException:
+        if opts.progress and sys.stderr.isatty():  # the progress bar's line, half-drawn
+            sys.stderr.write("\r\x1b[2K")
+        raise
     print(format_report(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(_finite(summary), indent=1) + "\n")
