@@ -110,7 +110,11 @@ def test_a_mistyped_command_gets_the_closest_one(capsys: pytest.CaptureFixture[s
         ("benhc", "did you mean 'bench'?"),
         ("bench-dsk", "did you mean 'bench-disk'?"),
         ("wrker", "did you mean 'worker'?"),
-        ("xyz", "the commands: worker, bench, bench-engine, bench-disk, bench-serve"),
+        (
+            "xyz",
+            "the commands: worker, bench, bench-engine, bench-disk, bench-serve, bench-codecs, "
+            "model",
+        ),
     ):
         with pytest.raises(SystemExit) as caught:
             cli.main(["-v", typed, "--json"])
