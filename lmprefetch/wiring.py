@@ -144,6 +144,14 @@ def _check_extras(config: PrefetchConfig) -> None:
                 "redis_url: the Redis tier needs the redis extra: "
                 "python -m pip install 'lmprefetch[redis]'"
             ) from None
+    if config.buffer_backend == "torch":
+        try:
+            import torch  # noqa: F401  (the arena imports it again: no second cost)
+        except ImportError:
+            raise ValueError(
+                'buffer_backend: "torch" needs the torch extra: '
+                "python -m pip install 'lmprefetch[torch]'"
+            ) from None
     if config.mooncake_master is not None:
         from .tiers.mooncake_store import check_installed
 

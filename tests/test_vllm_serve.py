@@ -162,7 +162,8 @@ def test_bench_serve_quick_runs_every_scenario_and_leaves_nothing_behind(tmp_pat
     assert len(str(tmpdir)) > 60
     short_dirs_before = set(Path("/tmp").glob("lmpbs-*"))
     argv = [
-        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress",
+        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress", "--model",
+        "random",  # its structure; the trained model: tests/test_vllm_trained_e2e.py
         "--json", str(out), "--plot", str(figure),
     ]  # fmt: skip
     proc = subprocess.run(
@@ -256,7 +257,8 @@ def test_bench_serve_redis_link_scenarios_serve_every_hit_from_redis(tmp_path: P
     names = list(LINK_SCENARIOS.values())
     out = tmp_path / "result.json"
     argv = [
-        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress",
+        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress", "--model",
+        "random",  # its structure; the trained model: tests/test_vllm_trained_e2e.py
         "--scenarios", ",".join(names), "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=3600, check=False)

@@ -181,7 +181,9 @@ async def run_link_scenario(
     redis_port = int(redis_url.rsplit(":", 1)[1])
     # At least 3 measured rounds (the same documents, more questions): cheap here, and the
     # p50s of the goals come from these alone.
-    rounds = long_doc_rounds(opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed)
+    rounds = long_doc_rounds(
+        opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed, opts.prompt_corpus
+    )
     ctx.progress.begin(sc.name, sum(len(r) for r in rounds))
     startups: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
@@ -226,7 +228,9 @@ async def run_link_scenario(
             # a document's length (the cost policy's input): two fresh documents, computed.
             # Their chunks are stored to Redis through the link; wait until they are there, so
             # their writes do not share the link with the first measured loads.
-            fresh = probe_prompts(2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1)
+            fresh = probe_prompts(
+                2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1, opts.prompt_corpus
+            )
             await warm_up(ctx, server)
             for prompt in fresh:
                 await send_request(ctx, server, prompt, 1)

@@ -346,7 +346,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"  machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, python "
         f"{m['python']}; load average {load['before'][0]:.1f} before, "
         f"{load['after'][0]:.1f} after",
-        f"  model: {describe(s['model'])}",
+        f"  model: {describe(s['model'], s.get('model_kind', 'random'))}, "
+        f"prompts: {s.get('prompts', 'random token ids')}",
         f"  vLLM KV pool {s['kv_pool_tokens']:,} tokens ({s['kv_pool_bytes'] >> 20} MiB), "
         f"block {s['block_size']}; lmprefetch chunk {s['chunk_size']} tokens, CPU tier "
         f"{s['lmprefetch_cpu_bytes'] >> 20} MiB",
@@ -503,7 +504,11 @@ def plot(summary: dict[str, Any], path: str) -> None:
         bars.set_title(f"{titles[workload]}: speed-up of the median TTFT")
         if ok:
             bars.legend(fontsize=8)
-    fig.suptitle(f"lmprefetch bench-serve: {describe(summary['settings']['model'])}", fontsize=9)
+    settings = summary["settings"]
+    fig.suptitle(
+        f"lmprefetch bench-serve: {describe(settings['model'], settings.get('model_kind', ''))}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

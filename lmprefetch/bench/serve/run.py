@@ -352,15 +352,19 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     raw: dict[str, Any] = {}
+    corpus = opts.prompt_corpus
     async with private_dirs() as (tmp, runtime_dir):
+        model_dir = Path(opts.model_dir or write_model(tmp / "model", opts.model))
         ctx = Context(
             opts=opts,
             tmp=tmp,
             runtime_dir=runtime_dir,
-            model_dir=write_model(tmp / "model", opts.model),
-            long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed),
-            chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed),
-            probe_prompts=probe_prompts(opts.probes, opts.probe_tokens, opts.vocab, opts.seed),
+            model_dir=model_dir,
+            long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed, corpus),
+            chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed, corpus),
+            probe_prompts=probe_prompts(
+                opts.probes, opts.probe_tokens, opts.vocab, opts.seed, corpus
+            ),
             progress=progress,
         )
         for sc in opts.scenarios_to_run():
