@@ -8,10 +8,11 @@ cost, cost ÷ the better of the other two, and the cost policy's decisions) to
 ``OUT/table.md``, beside each run's ``--json`` and text report.  The goal (issue 31): cost ÷
 better ≤ 1.1 in every run, on both links::
 
-    python tools/link_runs.py --runs 5 --out link-runs
+    python tools/link_runs.py --runs 5 --out link-runs -- --model random
 
 Run it with the Python that has vLLM (the servers run under it); bench-serve enters its
-private network namespace itself.  Extra arguments after ``--`` go to bench-serve.
+private network namespace itself.  Extra arguments after ``--`` go to bench-serve
+(``--model random``: the random-weight Llama the link scenarios were sized for).
 """
 
 from __future__ import annotations
