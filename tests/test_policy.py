@@ -840,3 +840,23 @@ async def test_a_replay_of_a_bad_slow_link_run_meets_the_goal(
     cost = _p50(await _replay_ttfts("cost"))
     assert recompute < always  # the slow link: recomputing is the better of the two
     assert cost <= 1.1 * min(always, recompute), (cost, always, recompute)
+
+
+def test_a_load_shorter_than_a_slow_probe_still_measures_the_tier() -> None:
+    """On a busy machine a probe of a fast tier can wait longer for a thread than a whole load
+    takes: the load still measures the tier (its transfer time is at least half its time);
+    the throughput once was left unmeasured for a whole run this way."""
+    from lmprefetch.tiers.base import TierStats
+
+    stats = TierStats()
+    stats.observe_probe(0.060)  # 60 ms: mostly waiting for a thread
+    stats.observe_load(8 << 20, 0.010, now=5.0)  # 8 MiB in 10 ms
+    assert stats.load_bytes_per_s_ewma == pytest.approx((8 << 20) / 0.005)
+    assert stats.throughput_age_s(7.5) == pytest.approx(2.5)
+    # The same lookup's probe, when given, is the latency subtracted.
+    fresh = TierStats()
+    fresh.observe_load(1 << 20, 0.140, now=1.0, latency_s=0.040)
+    assert fresh.load_bytes_per_s_ewma == pytest.approx((1 << 20) / 0.100)
+    assert fresh.cost(now=100.0, max_age_s=60.0).stale
+    assert not fresh.cost(now=30.0, max_age_s=60.0).stale
+    assert TierStats().cost().stale  # never measured
