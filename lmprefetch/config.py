@@ -331,6 +331,28 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = None
 
+    tier_cost_max_age_s: Annotated[
+        _Seconds,
+        Meta(
+            description="A tier's measured load throughput older than this is measured again: "
+            "when a load policy drops chunks of that tier (or of a tier never measured), two "
+            "of them are loaded in the background, not for the lookup, to measure it.  The "
+            "``cost`` policy does not trust a tier that has never been measured.",
+        ),
+    ] = 60.0
+    decision_log: Annotated[
+        _NonEmpty | None,
+        Meta(
+            extra={"path": True},
+            description="A file to which every lookup's load decision (the hit tier by tier, "
+            "each tier's measured cost, the prefill model, the predicted and the measured load "
+            "and recompute times), every model step the vLLM worker timed and every slow "
+            "garbage collection are appended, one JSON line each (``{rank}`` in the path is "
+            "replaced by the worker's rank).  Unset: nothing is recorded.  See "
+            "docs/policy.md.",
+        ),
+    ] = None
+
     # -- memory -----------------------------------------------------------------------
     cpu_bytes: Annotated[
         int,

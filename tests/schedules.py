@@ -750,7 +750,7 @@ def _quiet_logs() -> Iterator[None]:
     print them (a lookup that failed is still caught: ``lookups_failed`` is checked)."""
     logger = logging.getLogger("lmprefetch")
     level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    logger.setLevel(logging.DEBUG if os.environ.get("LMPF_SCHEDULE_LOGS") else logging.CRITICAL)
     try:
         yield
     finally:

@@ -134,6 +134,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"the slow_remote scenarios' one-way delay (default {d.slow_link_delay_s * 1e3:g})",
     )
     p.add_argument(
+        "--in-order",
+        action="store_true",
+        help="run the scenarios in the order --scenarios names them (default: the order of "
+        "the list above)",
+    )
+    p.add_argument(
         "--model",
         choices=MODEL_CHOICES,
         default="auto",
@@ -154,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
         "redis_server": args.redis_server,
         "seed": args.seed,
         "progress": not args.no_progress,
+        "in_order": args.in_order,
         "model_kind": args.model,
     }
     for name in ("rounds", "kv_pool_tokens", "probes"):

@@ -238,6 +238,15 @@ class ServeBenchOptions:
     #: one-way delay (see docs/benchmarks.md for why these).
     slow_link_rate: float = 10e6
     slow_link_delay_s: float = 0.02
+    #: Run the scenarios in the order ``scenarios`` names them (default: :data:`SCENARIOS`'s).
+    in_order: bool = False
+
+    def scenarios_to_run(self) -> tuple[Scenario, ...]:
+        """The selected scenarios, in the order they run."""
+        if self.in_order:
+            by_name = {s.name: s for s in SCENARIOS}
+            return tuple(by_name[n] for n in dict.fromkeys(self.scenarios))
+        return tuple(s for s in SCENARIOS if s.name in self.scenarios)
 
     @classmethod
     def full(cls, **changes: Any) -> ServeBenchOptions:
@@ -327,6 +336,7 @@ class ServeBenchOptions:
         """The settings as plain data (for the JSON and the report)."""
         return {
             "quick": self.quick,
+            "scenario_order": [s.name for s in self.scenarios_to_run()],
             "rounds": self.rounds,
             "long_doc_qa": dataclasses.asdict(self.long_doc),
             "chat": dataclasses.asdict(self.chat),
