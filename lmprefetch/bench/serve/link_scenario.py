@@ -42,6 +42,27 @@ def has_load_policy() -> bool:
     return "load_policy" in PrefetchConfig().to_dict()
 
 
+def has_decision_log() -> bool:
+    """Whether this lmprefetch has the ``decision_log`` setting (issue 31's trace)."""
+    from ...config import PrefetchConfig
+
+    return "decision_log" in PrefetchConfig().to_dict()
+
+
+def read_decision_logs(directory: Path) -> list[dict[str, Any]]:
+    """The trace records the measured server's ranks wrote (``decisions-<rank>.jsonl``), as
+    plain data, ordered by wall clock (blocking: call it in a thread)."""
+    import msgspec
+
+    from ...trace import decode_records
+
+    records: list[dict[str, Any]] = []
+    for path in sorted(directory.glob("decisions-*.jsonl")):
+        records.extend(msgspec.to_builtins(r) for r in decode_records(path.read_bytes()))
+    records.sort(key=lambda r: float(r["wall"]))
+    return records
+
+
 def link_cpu_bytes(opts: ServeBenchOptions) -> int:
     """The measured server's CPU tier (all of lmprefetch's host memory) in a link scenario:
     twice one request's load (every whole chunk of a document, and one more), since a lookup
@@ -160,7 +181,9 @@ async def run_link_scenario(
     redis_port = int(redis_url.rsplit(":", 1)[1])
     # At least 3 measured rounds (the same documents, more questions): cheap here, and the
     # p50s of the goals come from these alone.
-    rounds = long_doc_rounds(opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed)
+    rounds = long_doc_rounds(
+        opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed, opts.prompt_corpus
+    )
     ctx.progress.begin(sc.name, sum(len(r) for r in rounds))
     startups: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
@@ -191,6 +214,9 @@ async def run_link_scenario(
         extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
         if supported:
             extra["load_policy"] = policy
+        traced = await trio.to_thread.run_sync(has_decision_log)
+        if traced:
+            extra["decision_log"] = str(scenario_tmp / "decisions-{rank}.jsonl")
         ctx.progress.status("starting the measured server")
         server = await start_server(
             procs, ctx, f"{sc.name} server", prefix_caching=True, kv_transfer_config=kv_config
@@ -202,7 +228,9 @@ async def run_link_scenario(
             # a document's length (the cost policy's input): two fresh documents, computed.
             # Their chunks are stored to Redis through the link; wait until they are there, so
             # their writes do not share the link with the first measured loads.
-            fresh = probe_prompts(2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1)
+            fresh = probe_prompts(
+                2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1, opts.prompt_corpus
+            )
             await warm_up(ctx, server)
             for prompt in fresh:
                 await send_request(ctx, server, prompt, 1)
@@ -212,6 +240,9 @@ async def run_link_scenario(
             for requests in rounds[1:]:
                 await run_round(ctx, requests, [server], lambda _: 0, 1, stats)
             sent = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url) - sent_before
+            trace = (
+                await trio.to_thread.run_sync(read_decision_logs, scenario_tmp) if traced else None
+            )
         finally:
             await server.client.aclose()
             ctx.progress.end()
@@ -224,4 +255,5 @@ async def run_link_scenario(
         "load_policy_set": supported,
         "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
         "redis_sent_bytes": sent,
+        "trace": trace,
     }

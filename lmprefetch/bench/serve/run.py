@@ -46,7 +46,7 @@ from .client import RequestFailed
 from .hybrid_models import sliding_window_variant
 from .link_scenario import run_link_scenario
 from .model import write_model
-from .options import SCENARIOS, Scenario, ServeBenchOptions
+from .options import Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
 from .rounds import (
     ProbeResult,
@@ -352,20 +352,22 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     raw: dict[str, Any] = {}
+    corpus = opts.prompt_corpus
     async with private_dirs() as (tmp, runtime_dir):
+        model_dir = Path(opts.model_dir or write_model(tmp / "model", opts.model))
         ctx = Context(
             opts=opts,
             tmp=tmp,
             runtime_dir=runtime_dir,
-            model_dir=write_model(tmp / "model", opts.model),
-            long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed),
-            chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed),
-            probe_prompts=probe_prompts(opts.probes, opts.probe_tokens, opts.vocab, opts.seed),
+            model_dir=model_dir,
+            long_doc=long_doc_rounds(opts.long_doc, opts.rounds, opts.vocab, opts.seed, corpus),
+            chat=chat_rounds(opts.chat, opts.rounds, opts.vocab, opts.seed, corpus),
+            probe_prompts=probe_prompts(
+                opts.probes, opts.probe_tokens, opts.vocab, opts.seed, corpus
+            ),
             progress=progress,
         )
-        for sc in SCENARIOS:
-            if sc.name not in opts.scenarios:
-                continue
+        for sc in opts.scenarios_to_run():
             try:
                 raw[sc.name] = await run_scenario(ctx, sc)
             except ScenarioUnavailable as exc:  # from the preflight, before any process

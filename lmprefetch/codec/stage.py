@@ -1,0 +1,129 @@
+"""One tier's codec stage: what its write-behind applies to a payload before storing it, and
+what its load path applies to stored bytes to fill an arena slot.
+
+    stage = ChunkStage(get_codec("lossless", dtype=config.kv_dtype), cipher)
+    stored = stage.encode(payload, key_name=key.to_string().encode(), tenant=tenant)
+    n = stage.decode_into(stored, slot.view(), key_name=..., tenant=...)   # CodecMiss: a miss
+
+Encoding: the codec first (compressing), then the cipher (sealing).  With the codec ``none`` and
+no cipher the stage is a *passthrough*: :meth:`ChunkStage.encode` returns the payload itself, so
+a tier keeps its zero-copy paths (Mooncake's put-from, the disk tier's ``O_DIRECT`` reads).
+
+Decoding reads whatever was stored, whatever this stage's own codec: an encoded chunk
+(:mod:`.format`), a sealed one (:mod:`.encryption`), or a raw payload (written with ``none``, or
+before codecs existed).  With a cipher, only sealed chunks are accepted (a raw or merely encoded
+chunk in a store that should hold only ciphertext was not written by us); without one, a
+sealed chunk is a miss (there is no key to open it).  A raw payload that happens to start with
+an envelope's four magic bytes is read as that envelope and fails its checksum: a miss (one
+chunk in four billion), never wrong bytes.
+
+Thread-safe and free of I/O: tiers call it in their worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .encryption import (
+    ENCODED,
+    ENVELOPE,
+    RAW,
+    TAG_BYTES,
+    DecryptionMiss,
+    TenantCipher,
+    is_sealed,
+)
+from .format import CodecMiss, is_encoded
+from .registry import Codec, decode_into
+
+__all__ = ["ChunkStage"]
+
+_local = threading.local()
+
+
+def _plain_scratch(nbytes: int) -> memoryview:
+    buf: bytearray | None = getattr(_local, "plain", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.plain = bytearray(nbytes)
+    return memoryview(buf)[:nbytes]
+
+
+class ChunkStage:
+    """A tier's codec and optional cipher.
+
+    Args:
+        codec: what new chunks are encoded with (:func:`~lmprefetch.codec.get_codec`).
+        cipher: seals every chunk for its tenant (``None``: no encryption).
+    """
+
+    def __init__(self, codec: Codec, cipher: TenantCipher | None = None) -> None:
+        self.codec = codec
+        self.cipher = cipher
+
+    @property
+    def passthrough(self) -> bool:
+        """Stored bytes are the payload itself (codec ``none``, no cipher)."""
+        return self.codec.name == "none" and self.cipher is None
+
+    def max_stored_bytes(self, payload_bytes: int) -> int:
+        """The most bytes :meth:`encode` stores for a payload of ``payload_bytes``: what a
+        tier's read buffer (a disk read, a Redis value, a Mooncake get) must hold."""
+        if self.codec.name == "none":
+            stored = payload_bytes
+        else:
+            stored = self.codec.max_encoded_bytes(payload_bytes)
+        if self.cipher is not None:
+            stored += ENVELOPE.size + TAG_BYTES
+        return stored
+
+    def encode(
+        self, payload: bytes | bytearray | memoryview, *, key_name: bytes, tenant: bytes = b""
+    ) -> bytes | bytearray | memoryview:
+        """The bytes to store for ``payload`` under the chunk key ``key_name``
+        (``ChunkKey.to_string().encode()``) for ``tenant``
+        (:func:`~lmprefetch.codec.encryption.tenant_id`)."""
+        if self.codec.name == "none":
+            if self.cipher is None:
+                return payload
+            return self.cipher.seal(payload, tenant=tenant, key_name=key_name, content=RAW)
+        encoded = self.codec.encode(payload)
+        if self.cipher is None:
+            return encoded
+        return self.cipher.seal(encoded, tenant=tenant, key_name=key_name, content=ENCODED)
+
+    def decode_into(
+        self,
+        stored: bytes | bytearray | memoryview,
+        out: bytearray | memoryview,
+        *,
+        key_name: bytes,
+        tenant: bytes = b"",
+    ) -> int:
+        """Fill the start of ``out`` with the payload ``stored`` holds; returns its length.
+
+        Raises:
+            CodecMiss: the stored bytes are damaged, of an unknown or foreign encoding, sealed
+                for another tenant or chunk key, sealed with no cipher here, not sealed with a
+                cipher here, or larger than ``out``.  ``out`` must not be handed out then.
+        """
+        dtype = self.codec.dtype
+        if self.cipher is not None:
+            if not is_sealed(stored):
+                raise DecryptionMiss("not sealed (encryption is on: plaintext is refused)")
+            if self.cipher.content(stored) == RAW:
+                return self.cipher.open_into(stored, out, tenant=tenant, key_name=key_name)
+            plain = _plain_scratch(self.cipher.opened_bytes(stored))
+            self.cipher.open_into(stored, plain, tenant=tenant, key_name=key_name)
+            if not is_encoded(plain):
+                raise CodecMiss("sealed content is not an encoded chunk")
+            return decode_into(plain, out, dtype=dtype)
+        if is_sealed(stored):
+            raise DecryptionMiss("sealed, and no encryption key is configured here")
+        if is_encoded(stored):
+            return decode_into(stored, out, dtype=dtype)
+        view = memoryview(stored).cast("B")
+        target = memoryview(out).cast("B")
+        if len(view) > len(target):
+            raise CodecMiss(f"a raw chunk of {len(view)} bytes, more than the {len(target)} given")
+        target[: len(view)] = view
+        return len(view)
