@@ -21,11 +21,16 @@ from typing import Any
 
 import pytest
 
-from .vllm_support import expected_sources, model_runner_output, vllm_imports
+from .vllm_support import (
+    assert_worker_idle,
+    expected_sources,
+    model_runner_output,
+    vllm_imports,
+    wait_worker_quiet,
+)
 
 with vllm_imports():
     import torch
-    import trio
     from vllm import SamplingParams
     from vllm.config import (
         CacheConfig,
@@ -63,6 +68,7 @@ with vllm_imports():
         endpoint_names,
         load_prefetch_config,
     )
+    from lmprefetch.worker_statistics import WorkerStatistics
 
 pytestmark = pytest.mark.vllm
 
@@ -333,28 +339,11 @@ class Harness:
         assert hit is not None, f"lookup {req_id} not answered within {WAIT_S} s"
         return hit
 
-    def wait_worker_quiet(self) -> dict[str, Any]:
-        """Wait until the worker has handled every message the client sent so far, and no
-        lookup task is alive; return the worker's stats.
-
-        A probe lookup (no whole chunk: answered 0 at once, holding nothing) is queued behind
-        everything sent before on the same socket; its answer proves the worker handled those
-        (e.g. a cleanup).  Then ``Engine.wait_quiet`` (a Trio event) under a deadline.
-        """
+    def wait_worker_quiet(self) -> WorkerStatistics:
+        """The worker's statistics once it handled everything sent so far and is quiet
+        (:func:`~tests.vllm_support.wait_worker_quiet`)."""
         self._probes += 1
-        probe = f"probe-{self._probes}"
-        assert self.client.lookup(probe, [1]) is None
-        assert self.client.wait(probe, WAIT_S) == 0
-        self.client.forget(probe)
-        engine = self.runtime.engine
-
-        async def quiet() -> None:
-            with trio.fail_after(WAIT_S):
-                await engine.wait_quiet()
-
-        self.runtime.call(quiet)
-        stats: dict[str, Any] = self.runtime.stats()
-        return stats
+        return wait_worker_quiet(self.client, self.runtime, f"probe-{self._probes}", WAIT_S)
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -389,14 +378,6 @@ def load_keys(load: LoadSpec) -> list[KeyBlocks]:
 def chain(tokens: list[int]) -> list[int]:
     """The chunk hashes of a prompt (unsalted): a legacy model's keys."""
     return ChunkHasher(CHUNK).hash(tokens)
-
-
-def assert_worker_idle(stats: dict[str, Any]) -> None:
-    assert stats["inflight_lookups"] == 0
-    assert stats["held_lookups"] == 0
-    assert stats["pinned_chunks"] == 0
-    assert stats["limiter_used"] == 0
-    assert stats["arena_used_bytes"] == stats["cpu_resident_bytes"]
 
 
 # -- scheduling -----------------------------------------------------------------------------
@@ -440,7 +421,7 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert [len(k.block_ids) for k in save.keys] == [2, 2, 2]
     h.run_until_finished("first")
     stats = h.wait_worker_quiet()
-    assert stats["store"]["chunks_stored"] == 3
+    assert stats.engine.store.chunks_stored == 3
     assert_worker_idle(stats)
 
     # Wipe the paged cache (a fresh worker memory): only lmprefetch can bring the KV back.
@@ -462,7 +443,7 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert req.num_computed_tokens == len(second)  # 96 loaded + 40 computed
     assert h.invalid_history[-1] == set()
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 1
+    assert stats.engine.lookups.claimed == 1
     assert_worker_idle(stats)
     assert h.statistics.hit_tokens == 96
     assert h.statistics.lookup_hits == 1
@@ -507,7 +488,7 @@ def test_full_hit_keeps_one_token_to_compute(
     assert out.num_scheduled_tokens["b"] == 1
     assert req.num_computed_tokens == n_tokens
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 1
+    assert stats.engine.lookups.claimed == 1
     assert_worker_idle(stats)
 
 
@@ -528,9 +509,9 @@ def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: st
         assert out.kv_connector_metadata.saves == []
     h.run_until_finished("a")
     stats = h.wait_worker_quiet()
-    assert stats["store"]["chunks_stored"] == (2 if role == "kv_producer" else 0)
+    assert stats.engine.store.chunks_stored == (2 if role == "kv_producer" else 0)
     # + the probe:
-    assert stats["server"]["requests_received"] == (1 if role == "kv_producer" else 2)
+    assert stats.server.requests_received == (1 if role == "kv_producer" else 2)
 
 
 def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(
@@ -638,8 +619,8 @@ def test_an_answer_too_old_to_trust_is_looked_up_again(
     assert [s.req_id for s in loads] == ["c"]
     assert h.statistics.lookup_restarts == 1
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["cancelled"] == 1
-    assert stats["lookups"]["claimed"] == 2
+    assert stats.engine.lookups.cancelled == 1
+    assert stats.engine.lookups.claimed == 2
     assert_worker_idle(stats)
 
 
@@ -650,12 +631,12 @@ def test_abort_while_lookup_pending_reaches_the_worker(make_harness: Any) -> Non
     h.scheduler.schedule()  # pending: no worker yet
     h.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
     assert "gone" not in h.scheduler.requests
-    assert h.client.stats()["cancels"] == 1
+    assert h.client.statistics().cancels == 1
     h.register()
     # The request and its cleanup were queued (in this order) before the worker existed.
     stats = h.wait_worker_quiet()
-    assert stats["server"]["requests_received"] == 2  # "gone" and the sync probe
-    assert stats["server"]["cleanups_received"] == 1
+    assert stats.server.requests_received == 2  # "gone" and the sync probe
+    assert stats.server.cleanups_received == 1
     assert_worker_idle(stats)
 
 
@@ -670,11 +651,11 @@ def test_abort_of_an_answered_never_scheduled_request_releases_the_prefetch(
     h.wait_worker_quiet()
     h.add("b", [*prompt, 5])
     assert h.wait_answer("b") == 96  # the worker now holds three prefetched chunks
-    assert h.runtime.stats()["held_lookups"] == 1
+    assert h.runtime.statistics().engine.lookups.held == 1
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["cancelled"] == 1
-    assert stats["lookups"]["claimed"] == 0
+    assert stats.engine.lookups.cancelled == 1
+    assert stats.engine.lookups.claimed == 0
     assert_worker_idle(stats)
 
 
@@ -714,7 +695,7 @@ def test_preempted_request_is_looked_up_again(make_harness: Any) -> None:
     assert resumed[0].end_token == 64
     h.run_until_finished("b")
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 1
+    assert stats.engine.lookups.claimed == 1
     assert_worker_idle(stats)
 
 
@@ -1136,7 +1117,7 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
 ) -> None:
     h = make_harness()
     prompt = _stored(h, 40)
-    submitted = h.client.stats()["submitted"]
+    submitted = h.client.statistics().submitted
     req = h.add("capped", prompt, kv_transfer_params={"max_load_tokens": 64})
     # Only the chunks under the cap were looked up (and loaded) on the workers.
     assert h.wait_answer("capped") == 64
@@ -1151,7 +1132,7 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
 
     out = h.step(before_forward=check)
     assert out.num_scheduled_tokens["capped"] == len(prompt) - 64
-    assert h.client.stats()["submitted"] == submitted + 1
+    assert h.client.statistics().submitted == submitted + 1
     # A cap inside a chunk: rounded down to vLLM's 16-token blocks (50 -> 48), the chunks
     # under it looked up (2), and the hit cut to it.
     h.add("odd", prompt, kv_transfer_params={"max_load_tokens": 50})
@@ -1176,12 +1157,12 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
 def test_a_request_can_ask_to_load_nothing(make_harness: Any, params: dict[str, Any]) -> None:
     h = make_harness()
     prompt = _stored(h, 41)
-    submitted = h.client.stats()["submitted"]
+    submitted = h.client.statistics().submitted
     h.add("none", prompt, kv_transfer_params=params)
     out = h.step()
     assert out.num_scheduled_tokens["none"] == len(prompt)  # computed, not loaded
     assert out.kv_connector_metadata.loads == []
-    assert h.client.stats()["submitted"] == submitted  # not even looked up
+    assert h.client.statistics().submitted == submitted  # not even looked up
     assert_worker_idle(h.wait_worker_quiet())
     assert h.statistics.load_skipped == 1
 
@@ -1205,10 +1186,10 @@ def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
     for name in ("a", "b"):
         h.add(name, prompt)
         h.run_until_finished(name)
-    assert h.client.stats()["submitted"] == 0
+    assert h.client.statistics().submitted == 0
     stats = h.wait_worker_quiet()
     # Saves go on; without lookups neither request knows the chunks are stored: both save.
-    assert stats["store"]["chunks_stored"] == 6
+    assert stats.engine.store.chunks_stored == 6
     assert_worker_idle(stats)
 
 

@@ -28,7 +28,13 @@ from typing import Any
 
 import pytest
 
-from .vllm_support import expected_sources, model_runner_output, vllm_imports
+from .vllm_support import (
+    assert_worker_idle,
+    expected_sources,
+    model_runner_output,
+    vllm_imports,
+    wait_worker_quiet,
+)
 
 with vllm_imports():
     import torch
@@ -76,6 +82,7 @@ with vllm_imports():
     from lmprefetch.integration.vllm.groups import group_hash, read_groups
     from lmprefetch.integration.vllm.request import STATE_CANDIDATES
     from lmprefetch.keys import ChunkKey
+    from lmprefetch.worker_statistics import WorkerStatistics
 
 from .redis_servers import HAVE_REDIS, RedisServer
 
@@ -458,20 +465,11 @@ class HybridHarness:
         self.run_until_finished(req_id)
         return hit
 
-    def wait_worker_quiet(self) -> dict[str, Any]:
+    def wait_worker_quiet(self) -> WorkerStatistics:
+        """The worker's statistics once it handled everything sent so far and is quiet
+        (:func:`~tests.vllm_support.wait_worker_quiet`)."""
         self._probes += 1
-        probe = f"probe-{self._probes}"
-        assert self.client.lookup(probe, [1]) is None
-        assert self.client.wait(probe, WAIT_S) == 0
-        self.client.forget(probe)
-        engine = self.runtime.engine
-
-        async def quiet() -> None:
-            with trio.fail_after(WAIT_S):
-                await engine.wait_quiet()
-
-        self.runtime.call(quiet)
-        return dict(self.runtime.stats())
+        return wait_worker_quiet(self.client, self.runtime, f"probe-{self._probes}", WAIT_S)
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -495,14 +493,6 @@ def make_harness(model_dir: Path) -> Iterator[Any]:
 
 def tokens_of(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 997 + 3 for i in range(n)]
-
-
-def assert_worker_idle(stats: dict[str, Any]) -> None:
-    assert stats["inflight_lookups"] == 0
-    assert stats["held_lookups"] == 0
-    assert stats["pinned_chunks"] == 0
-    assert stats["limiter_used"] == 0
-    assert stats["arena_used_bytes"] == stats["cpu_resident_bytes"]
 
 
 def group_key(h: HybridHarness, index: int, chunk_hash: int) -> ChunkKey:
@@ -546,7 +536,7 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     n_full_sw = sum(1 for g in groups.groups if g.kind != "mamba")
     n_mamba = sum(1 for g in groups.groups if g.kind == "mamba")
     # Every attention group's 3 chunks, and the Mamba states vLLM handed over at 96.
-    assert stats["store"]["chunks_stored"] == 3 * n_full_sw + n_mamba
+    assert stats.engine.store.chunks_stored == 3 * n_full_sw + n_mamba
     h.wipe()
 
     req = h.add("second", prompt)
@@ -575,9 +565,9 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     assert h.statistics.lookup_hits == 1
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
-    assert stats["lookups"]["claimed"] == len(load.claims)
+    assert stats.engine.lookups.claimed == len(load.claims)
     # What was loaded is not saved again (neither the chunks nor the state at 96).
-    assert stats["store"]["chunks_stored"] == 3 * n_full_sw + n_mamba
+    assert stats.engine.store.chunks_stored == 3 * n_full_sw + n_mamba
     assert h.statistics.save_chunks_planned == 3 * n_full_sw + n_mamba
 
 
@@ -613,11 +603,11 @@ def test_max_load_tokens_caps_a_hybrid_hit_at_a_chunk_boundary(
     assert h.wrong_states == []
     h.wipe()
     # 0: no lookup, nothing loaded.
-    submitted = h.client.stats()["submitted"]
+    submitted = h.client.statistics().submitted
     h.add("none", prompt, kv_transfer_params={"max_load_tokens": 0})
     out = h.step()
     assert out.kv_connector_metadata.loads == []
-    assert h.client.stats()["submitted"] == submitted
+    assert h.client.statistics().submitted == submitted
     h.run_until_finished("none")
     assert_worker_idle(h.wait_worker_quiet())
 
@@ -719,7 +709,7 @@ def test_chunked_prefill_saves_a_state_at_every_step_boundary(make_harness: Any)
     h.serve("first", prompt)
     stats = h.wait_worker_quiet()
     # 6 full-attention chunks, states at 2, 4 and 6
-    assert stats["store"]["chunks_stored"] == 6 + 3
+    assert stats.engine.store.chunks_stored == 6 + 3
     h.wipe()
     other = [*prompt[:130], *tokens_of(20, 70)]
     assert h.serve("other", other) == 128
@@ -853,10 +843,11 @@ def test_abort_releases_every_lookup_of_the_request(make_harness: Any) -> None:
     h.wipe()
     h.add("b", prompt)
     assert h.wait_hit("b") == 96
-    assert h.runtime.stats()["held_lookups"] >= 2  # full, window and state lookups hold keys
+    # The full, window and state lookups hold keys.
+    assert h.runtime.statistics().engine.lookups.held >= 2
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 0
+    assert stats.engine.lookups.claimed == 0
     assert_worker_idle(stats)
     # Aborted while its lookups are pending: they are cancelled too.
     h.add("c", prompt)
@@ -1026,7 +1017,7 @@ def test_another_server_is_served_from_the_shared_tier(
         flush(first)
         first.close()
         second = make_harness("mamba+sw+full", extra=extra)
-        assert second.runtime.stats()["cpu_resident_chunks"] == 0
+        assert second.runtime.statistics().engine.cpu_resident_chunks == 0
         second.add("b", prompt)
         assert second.wait_hit("b") == 96
         loads: list[Any] = []
@@ -1135,7 +1126,7 @@ def test_a_hybrid_answer_too_old_to_trust_is_looked_up_again(
     assert {c.lookup_id for c in load.claims} <= {n.lookup_id for n in new}
     h.run_until_finished("c")
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["cancelled"] >= 2  # the old prefix and window lookups
+    assert stats.engine.lookups.cancelled >= 2  # the old prefix and window lookups
     assert_worker_idle(stats)
 
 
