@@ -823,7 +823,8 @@ def test_a_load_vllms_blocks_do_not_fit_is_reported_by_request_and_recomputed(
     results = h.transfer_history[-1]
     assert results.failed_recving == results.finished_recving == {"b"}
     assert h.statistics.lookup_hits == 0
-    assert h.wait_worker_quiet()["held_lookups"] == 0  # released, not left to claim_ttl_s
+    # Released, not left to claim_ttl_s.
+    assert h.wait_worker_quiet().engine.lookups.held == 0
     monkeypatch.undo()
     h.run_until_finished("b")
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
