@@ -35,7 +35,9 @@ the engine's table of lookups what it decided.  Read one lookup in this order:
 
 Every tier call goes through :meth:`LookupIO._tier_load` (bounded by ``tier_timeout_s``; a tier
 that raises or times out shortens the prefix) or the probe in :meth:`LookupIO._probe_and_load`:
-those are the seams between a lookup and its tiers.
+those are the seams between a lookup and its tiers.  A tier that seals chunks per tenant
+(``per_tenant``: encryption on, docs/codecs.md) is given the lookup's tenant with each load;
+its decoding is the tier's business (it happens inside ``load``, in the tier's threads).
 
 Cancellation: a lookup is cancelled through its record (``cancel`` cancels the task's scope);
 the task then unwinds, its exit stack releases every pin and buffer it still owns, and the
@@ -61,7 +63,7 @@ from .limiter import WeightedCapacityLimiter
 from .lookup import AnswerCallback, _Lookup, _Lookups
 from .memory import Arena, Buffer
 from .policy import Decides, HitPart, LoadPolicy, LoadRequest, PrefillModel, when_decides
-from .tiers.base import Tier, ZeroCopyTier
+from .tiers.base import TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
 
 __all__ = ["LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
@@ -173,6 +175,8 @@ class LookupIO:
         self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
             (t, isinstance(t, ZeroCopyTier)) for t in tiers
         )
+        # ... and which tiers seal chunks per tenant: their loads take the lookup's tenant.
+        self._per_tenant = frozenset(id(t) for t in tiers if getattr(t, "per_tenant", False))
         self._other_tiers = tuple(t for t in tiers if t is not cpu)
         self._limiter = limiter
         #: The load policy, and whether it decides before probing (read once).
@@ -197,6 +201,7 @@ class LookupIO:
         seq: int,
         deadline: float | None,
         skip_chunks: int,
+        tenant: bytes = b"",
     ) -> _Lookup:
         """See :meth:`Engine.start_lookup <lmprefetch.prefetch.Engine.start_lookup>`."""
         started = trio.current_time()
@@ -270,7 +275,7 @@ class LookupIO:
         cum = [0, *accumulate(offsets)]
         keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
         self._nursery.start_soon(
-            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline,
+            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, tenant,
             name=f"lookup:{lookup_id}",
         )  # fmt: skip
         return rec
@@ -317,6 +322,7 @@ class LookupIO:
         cum: list[int],
         skip_chunks: int,
         deadline: float,
+        tenant: bytes,
     ) -> None:
         """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
         until the contiguous prefix moves to the record."""
@@ -325,7 +331,7 @@ class LookupIO:
             with scope, ExitStack() as owned:
                 try:
                     total, loaded, sources = await self._probe_and_load(
-                        keys, cum, skip_chunks, deadline, owned
+                        keys, cum, skip_chunks, deadline, owned, tenant
                     )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
@@ -349,6 +355,7 @@ class LookupIO:
         skip_chunks: int,
         deadline: float,
         owned: ExitStack,
+        tenant: bytes = b"",
     ) -> tuple[int, Pairs, tuple[tuple[str, int], ...]]:
         """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
         ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), and the
@@ -414,7 +421,7 @@ class LookupIO:
                         part.release_buffers(part.loaded * kpc)
                         part.pins.release()
                     elif load_at_once:
-                        loads.start_soon(self._load_part, part)
+                        loads.start_soon(self._load_part, part, tenant)
                 # No checkpoint from the last probe to the loads' start: the policy decides,
                 # and what it drops is released now.
                 found = next_chunk - skip_chunks
@@ -430,7 +437,7 @@ class LookupIO:
                         part.truncate(min(part.n_chunks, keep), kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
-                            loads.start_soon(self._load_part, part)
+                            loads.start_soon(self._load_part, part, tenant)
                     keep = sum(p.n_chunks for p in parts)
                 self._lookups.note_decision(found, keep)
         # -- 4. keep the contiguous prefix; release everything past the first hole ----------
@@ -499,8 +506,9 @@ class LookupIO:
         return keep
 
     # -- loading one tier's part ----------------------------------------------------------
-    async def _load_part(self, part: _Part) -> None:
-        """Load one tier's hit chunks into new arena buffers, under the limiter.
+    async def _load_part(self, part: _Part, tenant: bytes = b"") -> None:
+        """Load one tier's hit chunks into new arena buffers, under the limiter (``tenant``:
+        the lookup's, for a tier that seals per tenant).
 
         Only the tier's own ``load`` may fail softly (see :meth:`_tier_load`); an exception
         from anything else here is a bug in lmprefetch and fails the lookup, loudly.
@@ -514,12 +522,12 @@ class LookupIO:
                 usable = len(part.buffers) // kpc * kpc
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
                 if usable:
-                    await self._load_batches(part, usable // kpc)
+                    await self._load_batches(part, usable // kpc, tenant)
                     part.release_buffers(part.loaded * kpc)
         finally:
             part.pins.release()
 
-    async def _load_batches(self, part: _Part, chunks: int) -> None:
+    async def _load_batches(self, part: _Part, chunks: int, tenant: bytes = b"") -> None:
         """Load a part's first ``chunks`` chunks (their buffers allocated) in order, in up to
         ``self._calls_per_part`` calls (one without ``load_deadline_s``, :data:`LOAD_BATCHES`
         with it), :data:`LOAD_DEPTH` at a time (which hides a call's round trip behind the
@@ -542,7 +550,7 @@ class LookupIO:
             nonlocal short
             lo, hi = bounds[index]
             got = await self._tier_load(
-                tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc]
+                tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc], tenant
             )
             filled[index] = got // kpc
             short = short or lo + got // kpc < hi
@@ -581,15 +589,20 @@ class LookupIO:
                 tier.stats.observe_load(n_bytes, trio.current_time() - t0)
 
     async def _tier_load(
-        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
+        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], tenant: bytes = b""
     ) -> int:
         """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
-        when the tier raises or times out (the prefix ends at this tier; D05)."""
+        when the tier raises or times out (the prefix ends at this tier; D05).  A tier that
+        seals per tenant is given ``tenant``."""
         t0 = trio.current_time()
         tier.stats.load_started(t0)
         try:
             with trio.move_on_after(self._config.tier_timeout_s):
-                return max(0, min(await tier.load(keys, buffers), len(keys)))
+                if id(tier) in self._per_tenant:
+                    loaded = await cast(TenantTier, tier).load(keys, buffers, tenant=tenant)
+                else:
+                    loaded = await tier.load(keys, buffers)
+                return max(0, min(loaded, len(keys)))
         except Exception:
             log.warning("tier %s failed a load; prefix ends there", tier.name, exc_info=True)
             tier.stats.errors += 1

@@ -26,12 +26,13 @@ Policies (``PrefetchConfig.load_policy``):
 
 Cost model (:class:`CostPolicy`).  The tiers' loads run concurrently, so loading the first
 ``k`` chunks takes ``max`` over the tiers with a chunk among them of ``latency + bytes /
-throughput`` (a zero-copy tier, the CPU tier, costs nothing).  Computing instead of loading
-them adds ``prefill(s, k)``, the prefill time of those tokens.  The policy takes the ``k``
-that minimises ``load(k) - prefill(s, k)`` (ties: the longer prefix), so a slow tier's chunks
-at the end of the prefix are the first to go.  Until the prefill model is calibrated (or
-``prefill_tokens_per_s`` configured) it loads everything, as ``"always"`` does; a tier not yet
-measured costs nothing, so its first loads measure it.
+throughput + bytes / decode rate`` (:meth:`TierCost.seconds`; the decode rate is that of the
+tier's codec stage, docs/codecs.md; a zero-copy tier, the CPU tier, costs nothing).
+Computing instead of loading them adds ``prefill(s, k)``, the prefill time of those tokens.
+The policy takes the ``k`` that minimises ``load(k) - prefill(s, k)`` (ties: the longer
+prefix), so a slow tier's chunks at the end of the prefix are the first to go.  Until the
+prefill model is calibrated (or ``prefill_tokens_per_s`` configured) it loads everything, as
+``"always"`` does; a tier not yet measured costs nothing, so its first loads measure it.
 
 Threads: :class:`PrefillModel` is fed from the model runner's thread and read on the engine's
 Trio thread (a lock guards it); everything else runs on the engine's thread.
@@ -75,16 +76,22 @@ class TierCost(msgspec.Struct, frozen=True, gc=False):
     """What one tier's loads have cost lately (moving averages; ``None``: not measured yet).
 
     ``latency_s`` is the time of a call that moves no payload (a probe); ``bytes_per_s`` is
-    payload bytes over the rest of a load's time."""
+    payload bytes over the rest of a load's time, less its decoding; ``decode_bytes_per_s``
+    is payload bytes over the time the tier's codec stage took to decode them (``None`` for a
+    tier that stores payloads as they are)."""
 
     latency_s: float | None = None
     bytes_per_s: float | None = None
+    decode_bytes_per_s: float | None = None
 
     def seconds(self, n_bytes: int) -> float:
-        """Expected seconds of one load call of ``n_bytes`` (0 for what is not measured)."""
+        """Expected seconds of one load call of ``n_bytes`` payload bytes (0 for what is not
+        measured): the call's latency, the transfer and the decoding."""
         t = self.latency_s or 0.0
         if self.bytes_per_s:
             t += n_bytes / self.bytes_per_s
+        if self.decode_bytes_per_s:
+            t += n_bytes / self.decode_bytes_per_s
         return t
 
 

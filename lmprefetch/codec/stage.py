@@ -11,11 +11,15 @@ a tier keeps its zero-copy paths (Mooncake's put-from, the disk tier's ``O_DIREC
 
 Decoding reads whatever was stored, whatever this stage's own codec: an encoded chunk
 (:mod:`.format`), a sealed one (:mod:`.encryption`), or a raw payload (written with ``none``, or
-before codecs existed).  With a cipher, only sealed chunks are accepted (a raw or merely encoded
-chunk in a store that should hold only ciphertext was not written by us); without one, a
-sealed chunk is a miss (there is no key to open it).  A raw payload that happens to start with
-an envelope's four magic bytes is read as that envelope and fails its checksum: a miss (one
-chunk in four billion), never wrong bytes.
+before codecs existed).  A tier sizes its read buffers with :meth:`ChunkStage.max_read_bytes`
+(every codec's largest chunk), so chunks written under other settings fit.  A passthrough tier
+reads stored bytes straight into the arena slot and calls :meth:`ChunkStage.decode_in_place`,
+which costs nothing for a raw payload (a look at its first four bytes) and decodes a chunk
+written with a codec through a scratch copy.  With a cipher, only sealed chunks are accepted
+(a raw or merely encoded chunk in a store that should hold only ciphertext was not written by
+us); without one, a sealed chunk is a miss (there is no key to open it).  A raw payload that
+happens to start with an envelope's four magic bytes is read as that envelope and fails its
+checksum: a miss (one chunk in four billion), never wrong bytes.
 
 Thread-safe and free of I/O: tiers call it in their worker threads.
 """
@@ -33,19 +37,31 @@ from .encryption import (
     TenantCipher,
     is_sealed,
 )
-from .format import CodecMiss, is_encoded
+from .format import HEADER, CodecMiss, is_encoded
 from .registry import Codec, decode_into
 
-__all__ = ["ChunkStage"]
+__all__ = ["MAX_OVERHEAD_BYTES", "ChunkStage"]
+
+#: The most bytes any codec and the cipher add to a payload: the encoded chunk's header, the
+#: lossless body's plane table for 4-byte elements at worst (a count, then a mode and a length
+#: per plane; every lossy body is at most the lossless one, :meth:`Codec.encode`), and the
+#: envelope with GCM's tag.  ``tests/test_codecs.py`` checks it bounds every codec.
+MAX_OVERHEAD_BYTES = HEADER.size + 1 + 4 * 9 + ENVELOPE.size + TAG_BYTES
 
 _local = threading.local()
 
 
-def _plain_scratch(nbytes: int) -> memoryview:
-    buf: bytearray | None = getattr(_local, "plain", None)
+def _scratch(name: str, nbytes: int) -> memoryview:
+    """A per-thread buffer of at least ``nbytes`` (reused: no allocation per chunk)."""
+    buf: bytearray | None = getattr(_local, name, None)
     if buf is None or len(buf) < nbytes:
-        buf = _local.plain = bytearray(nbytes)
+        buf = bytearray(nbytes)
+        setattr(_local, name, buf)
     return memoryview(buf)[:nbytes]
+
+
+def _plain_scratch(nbytes: int) -> memoryview:
+    return _scratch("plain", nbytes)
 
 
 class ChunkStage:
@@ -60,10 +76,26 @@ class ChunkStage:
         self.codec = codec
         self.cipher = cipher
 
+    def __repr__(self) -> str:
+        sealed = ", sealed per tenant" if self.cipher is not None else ""
+        return f"<ChunkStage {self.codec.name}{sealed}>"
+
     @property
     def passthrough(self) -> bool:
         """Stored bytes are the payload itself (codec ``none``, no cipher)."""
         return self.codec.name == "none" and self.cipher is None
+
+    @property
+    def per_tenant(self) -> bool:
+        """Chunks are sealed per tenant: encoding and decoding need the request's tenant."""
+        return self.cipher is not None
+
+    @staticmethod
+    def max_read_bytes(payload_bytes: int) -> int:
+        """The most bytes a stored chunk of a payload of at most ``payload_bytes`` has, whatever
+        codec and cipher wrote it: what a tier's read buffer must hold so that chunks written
+        under other settings stay readable."""
+        return payload_bytes + MAX_OVERHEAD_BYTES
 
     def max_stored_bytes(self, payload_bytes: int) -> int:
         """The most bytes :meth:`encode` stores for a payload of ``payload_bytes``: what a
@@ -90,6 +122,35 @@ class ChunkStage:
         if self.cipher is None:
             return encoded
         return self.cipher.seal(encoded, tenant=tenant, key_name=key_name, content=ENCODED)
+
+    def is_raw(self, stored: bytes | bytearray | memoryview) -> bool:
+        """Whether ``stored`` is to be read as the payload itself (no cipher here, and it is
+        neither an encoded nor a sealed chunk): nothing to decode."""
+        return self.cipher is None and not is_encoded(stored) and not is_sealed(stored)
+
+    def decode_in_place(
+        self,
+        slot: bytearray | memoryview,
+        stored_bytes: int,
+        *,
+        key_name: bytes,
+        tenant: bytes = b"",
+    ) -> int:
+        """The payload's length, once the ``stored_bytes`` a tier read straight into the start of
+        ``slot`` are the payload: a raw payload is left as it is (without a cipher: the usual
+        case of a passthrough tier, free); an encoded or sealed chunk is copied to a per-thread
+        scratch buffer and decoded back into ``slot``.
+
+        Raises:
+            CodecMiss: as :meth:`decode_into`.  ``slot`` must not be handed out then.
+        """
+        view = memoryview(slot).cast("B")
+        stored = view[:stored_bytes]
+        if self.is_raw(stored):
+            return stored_bytes
+        copy = _scratch("stored", stored_bytes)
+        copy[:] = stored
+        return self.decode_into(copy, view, key_name=key_name, tenant=tenant)
 
     def decode_into(
         self,

@@ -42,6 +42,7 @@ from ..policy import EWMA_ALPHA, TierCost
 __all__ = [
     "BaseTier",
     "ResidencyListener",
+    "TenantTier",
     "Tier",
     "TierCounters",
     "TierStatistics",
@@ -63,6 +64,17 @@ class TierCounters(msgspec.Struct, gc=False):
     bytes_loaded: int = 0
     chunks_stored: int = 0
     bytes_stored: int = 0
+    #: The bytes the tier moved and holds for those chunks after its codec stage
+    #: (docs/codecs.md): equal to the payload bytes with the codec ``none`` and no encryption;
+    #: the tier's own framing (a disk file's header, a Redis value's) not counted.
+    encoded_bytes_loaded: int = 0
+    encoded_bytes_stored: int = 0
+    #: Seconds worker threads spent encoding the chunks written, and decoding those loaded.
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    #: Stored chunks the codec stage refused on a load (damaged, of an unknown encoding,
+    #: sealed for another tenant or chunk key, plaintext where encryption is on): misses.
+    codec_misses: int = 0
     #: Write-behind chunks dropped instead of written, and entries evicted.
     writes_dropped: int = 0
     evictions: int = 0
@@ -77,6 +89,10 @@ class TierCounters(msgspec.Struct, gc=False):
     #: ``cost`` load policy reads them (:mod:`lmprefetch.policy`).
     latency_s_ewma: float | None = None
     load_bytes_per_s_ewma: float | None = None
+    #: Moving average of the codec stage's decoding rate (payload bytes per second of a
+    #: thread's decoding); ``None`` until a chunk was decoded (never, with the codec ``none``
+    #: and no encryption).
+    decode_bytes_per_s_ewma: float | None = None
 
 
 class TierStatistics(TierCounters, frozen=True, gc=False):  # type: ignore[misc]
@@ -107,15 +123,35 @@ class TierStats(TierCounters, gc=False):
         self.latency_s_ewma = _ewma(self.latency_s_ewma, max(0.0, seconds))
 
     def observe_load(self, n_bytes: int, seconds: float) -> None:
-        """A load moved ``n_bytes`` in ``seconds``; the time past the per-call latency is the
-        transfer (a load no slower than a probe tells nothing about throughput)."""
+        """A load moved ``n_bytes`` in ``seconds``; the time past the per-call latency and the
+        decoding (at the measured decode rate) is the transfer (a load no slower than that
+        tells nothing about throughput)."""
         transfer = seconds - (self.latency_s_ewma or 0.0)
+        if self.decode_bytes_per_s_ewma:
+            transfer -= n_bytes / self.decode_bytes_per_s_ewma
         if n_bytes > 0 and transfer > 0:
             self.load_bytes_per_s_ewma = _ewma(self.load_bytes_per_s_ewma, n_bytes / transfer)
 
+    def observe_decoded(
+        self, payload_bytes: int, encoded_bytes: int, seconds: float, *, decoded: bool = True
+    ) -> None:
+        """A load's worker thread turned ``encoded_bytes`` read from the tier into
+        ``payload_bytes`` in ``seconds`` (``decoded``: through the codec stage; else the bytes
+        were the payloads, and only the counts move)."""
+        self.encoded_bytes_loaded += encoded_bytes
+        if not decoded:
+            return
+        self.decode_seconds += seconds
+        if payload_bytes > 0 and seconds > 0:
+            self.decode_bytes_per_s_ewma = _ewma(
+                self.decode_bytes_per_s_ewma, payload_bytes / seconds
+            )
+
     def cost(self) -> TierCost:
         """The tier's cost estimate for a load policy."""
-        return TierCost(self.latency_s_ewma, self.load_bytes_per_s_ewma)
+        return TierCost(
+            self.latency_s_ewma, self.load_bytes_per_s_ewma, self.decode_bytes_per_s_ewma
+        )
 
     def statistics(self) -> TierStatistics:
         return snapshot(TierStatistics, self)
@@ -162,6 +198,24 @@ class Tier(Protocol):
 
     async def aclose(self) -> None:
         """Flush pending writes and release everything the tier owns."""
+        ...
+
+
+class TenantTier(Tier, Protocol):
+    """A tier that seals its chunks per tenant (encryption on; its ``per_tenant`` is true):
+    its loads and writes take the tenant they are for (``b""``: the shared name space)."""
+
+    @property
+    def per_tenant(self) -> bool: ...
+
+    async def load(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], *, tenant: bytes = b""
+    ) -> int:
+        """:meth:`Tier.load`, opening sealed chunks for ``tenant``."""
+        ...
+
+    def enqueue_write(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
+        """:meth:`WriteBehindTier.enqueue_write`, sealing the chunk for ``tenant``."""
         ...
 
 

@@ -47,6 +47,14 @@ reference on the buffer and queues it, or drops the write (and counts it) when t
 or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
 the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs.
 
+**Codecs.**  The tier's :class:`~lmprefetch.codec.ChunkStage` (``redis_codec``, encryption;
+docs/codecs.md) runs in those copy threads: the writer's copy out of the arena is the encoding
+(the value holds the encoded chunk after its header), and the load's copy into the arena is the
+decoding (zstd and numpy release the GIL).  Values are read into buffers of
+:meth:`~lmprefetch.codec.ChunkStage.max_read_bytes`, so chunks written under any codec stay
+readable; a value the stage refuses (damaged, unknown, another tenant's or another key's,
+plaintext where encryption is on) is a miss, counted in ``stats.codec_misses``, and deleted.
+
 The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 ``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
@@ -55,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -68,6 +77,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import SSLConnection, parse_url
 from redis.retry import Retry
 
+from ..codec import ChunkStage, CodecMiss
 from ..keys import ChunkKey
 from ..memory import Buffer
 from .remote import (
@@ -218,33 +228,87 @@ def _get_prefix(
 
 def _set_all(
     client: RedisClient, items: Sequence[tuple[bytes, bytes]]
-) -> tuple[list[bool], int, BaseException | None]:
-    """Pipelined SET; which succeeded, their payload bytes, and the first error."""
+) -> tuple[list[bool], BaseException | None]:
+    """Pipelined SET; which succeeded, and the first error."""
     pipe = client.pipeline(transaction=False)
     for name, value in items:
         pipe.set(name, value)
     results = pipe.execute(raise_on_error=False)
     ok: list[bool] = []
-    ok_bytes = 0
     error: BaseException | None = None
-    for (_, value), result in zip(items, results, strict=True):
+    for result in results:
         if isinstance(result, BaseException):
             error = error or result
             ok.append(False)
         else:
             ok.append(True)
-            ok_bytes += len(value) - HEADER_BYTES
-    return ok, ok_bytes, error
+    return ok, error
 
 
-def _copy_into(payloads: Sequence[memoryview], buffers: Sequence[Buffer]) -> None:
-    for payload, buf in zip(payloads, buffers, strict=False):
-        buf.slot()[: payload.nbytes] = payload
-        buf.length = payload.nbytes
+class _Decoded:
+    """What a load's copy into the arena did (see :func:`_copy_into`)."""
+
+    __slots__ = ("decoded", "miss", "payload_bytes", "seconds", "stored_bytes")
+
+    def __init__(self) -> None:
+        self.payload_bytes = 0
+        self.stored_bytes = 0
+        self.seconds = 0.0
+        self.decoded = False
+        #: Why the value after the filled ones was refused, if one was.
+        self.miss: CodecMiss | None = None
 
 
-def _encode_all(items: Sequence[tuple[bytes, Buffer]]) -> list[tuple[bytes, bytes]]:
-    return [(name, encode_value(buf.view())) for name, buf in items]
+def _copy_into(
+    payloads: Sequence[memoryview],
+    buffers: Sequence[Buffer],
+    stage: ChunkStage,
+    key_names: Sequence[bytes],
+    tenant: bytes,
+) -> tuple[int, _Decoded]:
+    """Decode each stored value into its buffer, in order, until one is refused (the thread
+    that writes arena memory); the count filled, and what it took."""
+    done = _Decoded()
+    filled = 0
+    for payload, buf, name in zip(payloads, buffers, key_names, strict=False):
+        slot = buf.slot()
+        if stage.is_raw(payload):
+            if payload.nbytes > slot.nbytes:
+                break  # a payload larger than this engine's slots: a miss, left in Redis
+            slot[: payload.nbytes] = payload
+            n = payload.nbytes
+        else:
+            t0 = time.perf_counter()
+            try:
+                n = stage.decode_into(payload, slot, key_name=name, tenant=tenant)
+            except CodecMiss as exc:
+                done.miss = exc
+                break
+            finally:
+                done.seconds += time.perf_counter() - t0
+            done.decoded = True
+        buf.length = n
+        done.payload_bytes += n
+        done.stored_bytes += payload.nbytes
+        filled += 1
+    return filled, done
+
+
+def _encode_all(
+    stage: ChunkStage, items: Sequence[tuple[bytes, bytes, Buffer, bytes]]
+) -> tuple[list[tuple[bytes, bytes]], list[int], float]:
+    """The values to SET for ``(redis key, chunk key name, buffer, tenant)`` items (the thread
+    that reads arena memory), the stored bytes of each, and the seconds encoding took."""
+    t0 = time.perf_counter()
+    values: list[tuple[bytes, bytes]] = []
+    sizes: list[int] = []
+    for name, key_name, buf, tenant in items:
+        with buf.view() as payload:
+            stored = stage.encode(payload, key_name=key_name, tenant=tenant)
+            sizes.append(memoryview(stored).nbytes)
+            values.append((name, encode_value(stored)))
+    seconds = 0.0 if stage.passthrough else time.perf_counter() - t0
+    return values, sizes, seconds
 
 
 def _parse_endpoints(url: str) -> list[dict[str, Any]]:
@@ -274,6 +338,7 @@ class RedisTier(RemoteTier):
         write_queue: writes waiting for the writer; past it writes are dropped and counted.
         backoff_initial_s: first backoff after a failure; doubles on every further failure.
         backoff_max_s: ceiling of the backoff.
+        stage: the codec stage (``redis_codec``, encryption); ``None``: payloads as they are.
 
     Raises:
         ValueError: ``url`` is not a Redis URL or list of them.
@@ -292,6 +357,7 @@ class RedisTier(RemoteTier):
         write_queue: int = 1024,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        stage: ChunkStage | None = None,
     ) -> None:
         super().__init__(
             timeout_s=timeout_s,
@@ -299,6 +365,7 @@ class RedisTier(RemoteTier):
             write_queue=write_queue,
             backoff_initial_s=backoff_initial_s,
             backoff_max_s=backoff_max_s,
+            stage=stage,
         )
         self._endpoints = _parse_endpoints(url)
         self.cluster = len(self._endpoints) > 1
@@ -420,13 +487,16 @@ class RedisTier(RemoteTier):
             self.stats.hits += 1
         return n
 
-    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+    async def load(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], *, tenant: bytes = b""
+    ) -> int:
         """Fill ``buffers[i]`` with ``keys[i]``'s payload; the contiguous count filled.
 
         Pipelined GETs in batches of at most 32 MiB of buffer capacity; every value is checked
-        (magic, length <= the buffer's capacity, checksum).  Stops at the first missing, corrupt
-        or failed value (D13) and returns the count before it; a down or slow server ends the
-        prefix there (counted, backing off), it never raises.
+        (magic, length, checksum) and decoded by the codec stage (sealed chunks opened for
+        ``tenant``).  Stops at the first missing, corrupt, undecodable or failed value (D13)
+        and returns the count before it; a down or slow server ends the prefix there (counted,
+        backing off), it never raises.
 
         On cancellation raises ``Cancelled``; a fetch in flight is abandoned (its bytes are
         dropped), a copy into buffers in flight finishes first, so nothing writes into a buffer
@@ -435,22 +505,38 @@ class RedisTier(RemoteTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
+        stage = self.stage
         for start, end in load_batches(buffers[:total], max_bytes=_LOAD_BATCH_BYTES):
             names = [redis_key(key) for key in keys[start:end]]
-            capacities = [buf.capacity for buf in buffers[start:end]]
+            capacities = [stage.max_read_bytes(buf.capacity) for buf in buffers[start:end]]
             try:
                 payloads, error, corrupt = await self._remote(
                     "GET", partial(_get_prefix, names=names, capacities=capacities)
                 )
             except Unavailable:
                 break
+            filled = 0
+            refused: CodecMiss | None = None
             if payloads:
-                await trio.to_thread.run_sync(
-                    _copy_into, payloads, buffers[start:end], abandon_on_cancel=False
+                got = keys[start : start + len(payloads)]
+                key_names = [key.to_string().encode() for key in got]
+                filled, done = await trio.to_thread.run_sync(
+                    _copy_into, payloads, buffers[start:end], stage, key_names, tenant,
+                    abandon_on_cancel=False,
+                )  # fmt: skip
+                self.stats.observe_decoded(
+                    done.payload_bytes, done.stored_bytes, done.seconds, decoded=done.decoded
                 )
-            n += len(payloads)
-            loaded_bytes += sum(p.nbytes for p in payloads)
+                loaded_bytes += done.payload_bytes
+                refused = done.miss
+            n += filled
+            complete = filled == len(payloads)
             del payloads
+            if refused is not None:
+                await self._refused(keys[n], names[n - start], refused)
+                break
+            if not complete:  # a value larger than this engine's buffers: left in Redis
+                break
             if error is not None:
                 self._failed("GET", error)
                 break
@@ -466,6 +552,17 @@ class RedisTier(RemoteTier):
         self.stats.chunks_loaded += n
         self.stats.bytes_loaded += loaded_bytes
         return n
+
+    async def _refused(self, key: ChunkKey, name: bytes, why: CodecMiss) -> None:
+        """The codec stage refused the value under ``key``: count it, and delete it (best
+        effort) so that the next store writes a good one."""
+        self.stats.codec_misses += 1
+        log.warning("redis tier: value under %s refused (%s); dropped", name.decode(), why)
+        try:
+            await self._remote("DEL", lambda client: client.delete(name))
+        except Unavailable:
+            pass  # a miss either way
+        self._note_removed(key)
 
     async def remove(self, key: ChunkKey) -> bool:
         """Delete ``key`` from Redis; ``False`` if it was not there or Redis is unavailable."""
@@ -483,25 +580,34 @@ class RedisTier(RemoteTier):
         live = [e for e in batch if not e.removed and e.buffer is not None]
         for entry in batch:
             entry.written = True  # accounted below, or counted dropped by the loop if cancelled
-        # Copy out of the arena in a thread that is never abandoned, then let go of the buffers
-        # at once: the network part below may be abandoned and never sees arena memory.
-        taken = [(e.key, e.take_buffer()) for e in live]
-        keys = [key for key, buf in taken if buf is not None]
-        owned = [(redis_key(key), buf) for key, buf in taken if buf is not None]
+        # Copy out of the arena (encoding) in a thread that is never abandoned, then let go of
+        # the buffers at once: the network part below may be abandoned and never sees arena
+        # memory.
+        taken = [(e.key, e.tenant, e.take_buffer()) for e in live]
+        keys = [key for key, _, buf in taken if buf is not None]
+        owned = [
+            (redis_key(key), key.to_string().encode(), buf, tenant)
+            for key, tenant, buf in taken
+            if buf is not None
+        ]
+        payload_bytes = [buf.length for _, _, buf, _ in owned]
         try:
             if not self._usable():
                 await trio.lowlevel.checkpoint()
                 self.stats.writes_dropped += len(owned)
                 return
-            items = await trio.to_thread.run_sync(_encode_all, owned, abandon_on_cancel=False)
+            items, sizes, seconds = await trio.to_thread.run_sync(
+                _encode_all, self.stage, owned, abandon_on_cancel=False
+            )
         except BaseException:
             self.stats.writes_dropped += len(owned)
             raise
         finally:
-            for _, buf in owned:
+            for _, _, buf, _ in owned:
                 buf.release()
+        self.stats.encode_seconds += seconds
         try:
-            ok, ok_bytes, error = await self._remote("SET", partial(_set_all, items=items))
+            ok, error = await self._remote("SET", partial(_set_all, items=items))
         except Unavailable:
             self.stats.writes_dropped += len(items)
             return
@@ -510,9 +616,10 @@ class RedisTier(RemoteTier):
             raise
         stored = sum(ok)
         self.stats.chunks_stored += stored
-        self.stats.bytes_stored += ok_bytes
-        for key, done in zip(keys, ok):
+        for key, done, n_payload, n_stored in zip(keys, ok, payload_bytes, sizes):
             if done:
+                self.stats.bytes_stored += n_payload
+                self.stats.encoded_bytes_stored += n_stored
                 self._note_stored(key)
         if error is not None:
             self.stats.writes_dropped += len(items) - stored
@@ -535,6 +642,7 @@ async def open_redis_tier(
     write_queue: int,
     backoff_initial_s: float = 0.5,
     backoff_max_s: float = 30.0,
+    stage: ChunkStage | None = None,
 ) -> AsyncIterator[RedisTier]:
     """Open the remote tier on ``url`` and run its writer until the block exits.
 
@@ -553,6 +661,7 @@ async def open_redis_tier(
         write_queue=write_queue,
         backoff_initial_s=backoff_initial_s,
         backoff_max_s=backoff_max_s,
+        stage=stage,
     )
     async with tier.running(tier.connect):
         yield tier

@@ -415,7 +415,7 @@ class _WorkerSide:
         blocks = spec.blocks if self._kv_events else None
         if blocks is None:
             return runtime.store_hashes(
-                spec.chunk_hashes[first:last], [p.numpy() for p in payloads]
+                spec.chunk_hashes[first:last], [p.numpy() for p in payloads], tenant=spec.tenant
             )
         stored = 0
         named = [i for i in range(first, last) if blocks[i] is not None]
@@ -426,7 +426,9 @@ class _WorkerSide:
             hashes = [spec.chunk_hashes[i] for i in indices]
             parts = [payloads[i - first].numpy() for i in indices]
             described = [blocks[i] for i in indices] if names else None
-            got = runtime.store_hashes(hashes, parts, blocks=described)  # type: ignore[arg-type]
+            got = runtime.store_hashes(
+                hashes, parts, blocks=described, tenant=spec.tenant  # type: ignore[arg-type]
+            )
             stored += got
             if got < len(indices):
                 break
@@ -451,7 +453,9 @@ class _WorkerSide:
                 blocks = spec.blocks[first : first + _SAVE_BATCH_CHUNKS]
             try:
                 payloads = layout.extract(batch, out=self._staging_for(layout))
-                stored = runtime.store_hashes(hashes, [p.numpy() for p in payloads], blocks=blocks)
+                stored = runtime.store_hashes(
+                    hashes, [p.numpy() for p in payloads], blocks=blocks, tenant=spec.tenant
+                )
             except (ValueError, RuntimeError) as exc:
                 self.counters.add("save_errors")
                 log.warning("request %s: storing KV chunks failed: %s", spec.req_id, exc)
