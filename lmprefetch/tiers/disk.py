@@ -517,8 +517,9 @@ class DiskTier(WritesBehind, BaseTier):
         :func:`chunkfile.read_buffered`); the checksum is skipped if the file's identity is
         still ``trusted``; sealed chunks are opened for ``tenant``.
 
-        A passthrough stage reads the file straight into ``slot``; any other reads it into a
-        per-thread scratch buffer and decodes that into ``slot``.
+        A passthrough stage reads the file straight into ``slot`` (a file a little larger than
+        the slot, a chunk written under another codec, is read again into scratch); any other
+        reads it into a per-thread scratch buffer and decodes that into ``slot``.
 
         Raises:
             chunkfile.FileMissing, chunkfile.FileCorrupt and _Undecodable (after unlinking
@@ -528,7 +529,15 @@ class DiskTier(WritesBehind, BaseTier):
         stage = self.stage
         target = slot if stage.passthrough else _read_scratch(stage.max_read_bytes(slot.nbytes))
         try:
-            read, direct = self._read_file(path, key_bytes, target, check, trusted)
+            try:
+                read, direct = self._read_file(path, key_bytes, target, check, trusted)
+            except chunkfile.TooLarge:
+                if target is not slot:
+                    raise
+                target = _read_scratch(stage.max_read_bytes(slot.nbytes))
+                read, direct = self._read_file(path, key_bytes, target, check, trusted)
+                if stage.is_raw(target[: read.payload_bytes]):
+                    raise  # a payload larger than this slot, as it was first found
         except FileNotFoundError:
             raise chunkfile.FileMissing(path) from None
         except chunkfile.FileCorrupt:
@@ -538,14 +547,19 @@ class DiskTier(WritesBehind, BaseTier):
         if target is slot and stage.is_raw(slot[:stored]):
             return _Loaded(read, direct, started_ns, stored)
         t0 = time.perf_counter()
+        refused = None
         try:
             if target is slot:  # a passthrough tier's file written under another codec
                 n = stage.decode_in_place(slot, stored, key_name=key_bytes, tenant=tenant)
             else:
                 n = stage.decode_into(target[:stored], slot, key_name=key_bytes, tenant=tenant)
         except CodecMiss as exc:
+            refused = str(exc)
+        if refused is not None:
+            # Raised out here, with no trace of the decoder's frames: they hold views of the
+            # slot, which must not outlive the load (the arena could not close).
             chunkfile.unlink_quiet(path)
-            raise _Undecodable(str(exc)) from None
+            raise _Undecodable(refused)
         return _Loaded(read, direct, started_ns, n, time.perf_counter() - t0, True)
 
     def _read_file(

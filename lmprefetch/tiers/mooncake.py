@@ -242,7 +242,7 @@ def _get_decoded(
                 else:
                     n = stage.decode_into(stored, slot, key_name=key_names[i], tenant=tenant)
             except CodecMiss as exc:
-                got.miss = exc
+                got.miss = exc.detached()
                 break
             finally:
                 got.seconds += time.perf_counter() - t0

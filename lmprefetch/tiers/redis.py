@@ -282,7 +282,7 @@ def _copy_into(
             try:
                 n = stage.decode_into(payload, slot, key_name=name, tenant=tenant)
             except CodecMiss as exc:
-                done.miss = exc
+                done.miss = exc.detached()
                 break
             finally:
                 done.seconds += time.perf_counter() - t0
