@@ -53,6 +53,7 @@ from lmprefetch.tiers.redis import (  # noqa: E402
     encode_value,
     open_redis_tier,
     redis_key,
+    value_is_encoded,
 )
 
 from .mooncake_fake import FakePool  # noqa: E402
@@ -103,6 +104,8 @@ class Place:
     path: Path
     url: str | None = None
     pool: FakePool = field(default_factory=FakePool)
+    #: What the framing of each chunk read by :meth:`stored` said (encoded or not).
+    encoded: dict[ChunkKey, bool] = field(default_factory=dict)
 
     def stored(self, k: ChunkKey) -> bytes | None:
         """The bytes the tier's codec stage produced for ``k`` (inside the tier's framing)."""
@@ -111,6 +114,7 @@ class Place:
                 data = (self.path / f"{k.to_string()}.kv").read_bytes()
             except FileNotFoundError:
                 return None
+            self.encoded[k] = chunkfile.HEADER.unpack_from(data)[1] == chunkfile.VERSION_ENCODED
             return data[chunkfile.HEADER_BYTES :]
         if self.kind == "redis":
             assert self.url is not None
@@ -120,18 +124,23 @@ class Place:
                 return None
             payload = decode_value(raw)
             assert payload is not None
+            self.encoded[k] = value_is_encoded(raw)
             return bytes(payload)
         return self.pool.objects.get(mooncake_key(k))
 
-    def replace(self, k: ChunkKey, stored: bytes) -> None:
-        """Put ``stored`` under ``k`` inside valid framing (a tier reads exactly those bytes)."""
+    def replace(self, k: ChunkKey, stored: bytes, like: ChunkKey | None = None) -> None:
+        """Put ``stored`` under ``k`` inside valid framing (a tier reads exactly those bytes),
+        framed as the chunk ``like`` (by default ``k``) was: encoded or not."""
+        encoded = self.encoded.get(like or k, False)
         if self.kind == "disk":
             final = str(self.path / f"{k.to_string()}.kv")
-            chunkfile.write_file(final, final + ".tmp", k.to_string().encode(), memoryview(stored))
+            chunkfile.write_file(
+                final, final + ".tmp", k.to_string().encode(), memoryview(stored), encoded=encoded
+            )
         elif self.kind == "redis":
             assert self.url is not None
             with raw_client(self.url) as client:
-                client.set(redis_key(k), encode_value(stored))
+                client.set(redis_key(k), encode_value(stored, encoded=encoded))
         else:
             self.pool.objects[mooncake_key(k)] = bytes(stored)
 
@@ -444,8 +453,8 @@ async def test_a_sealed_chunk_moved_under_another_key_is_a_miss(place: Place, ar
         await put(tier, arena, [b], [pb], BOB)
     sa, sb = place.stored(a), place.stored(b)
     assert sa is not None and sb is not None
-    place.replace(a, sb)
-    place.replace(b, sa)
+    place.replace(a, sb, like=b)
+    place.replace(b, sa, like=a)
     async with opened(place, s, arena) as tier:
         for k, tenant in ((a, ALICE), (a, BOB), (b, BOB), (b, ALICE)):
             assert await get(tier, arena, [k], tenant) == []
@@ -511,3 +520,31 @@ async def test_a_disk_file_too_large_for_the_slot_is_kept(tmp_path: Path, arena:
             assert key(1) in disk and disk.stats.codec_misses == 0
     finally:
         big.close()
+
+
+async def test_the_tiers_framing_says_what_it_holds(place: Place, arena: Arena) -> None:
+    """A disk file's format version and a Redis value's magic record whether the codec stage
+    encoded what follows: a release that predates codecs then takes an encoded chunk for a
+    damaged one (a miss), never for a payload; and a payload stored as it is is read as it
+    is, even one that starts like an encoded chunk (Mooncake, with no framing of its own, can
+    only tell by those bytes: that one is a miss there, never wrong bytes)."""
+    lookalike = b"LKVC" + bytes(range(200)) * 10
+    payload = kv_payload(700)
+    async with opened(place, stage("none"), arena) as tier:
+        await put(tier, arena, [key(1), key(2)], [lookalike, payload])
+        got = await get(tier, arena, [key(1), key(2)])
+    assert got == ([] if place.kind == "mooncake" else [lookalike, payload])
+    async with opened(place, stage("lossless"), arena) as tier:
+        await put(tier, arena, [key(3)], [payload])
+    for k, encoded in ((key(2), False), (key(3), True)):
+        assert place.stored(k) is not None
+        if place.kind != "mooncake":
+            assert place.encoded[k] is encoded
+    if place.kind == "disk":
+        header = (place.path / f"{key(3).to_string()}.kv").read_bytes()[:12]
+        assert chunkfile.HEADER.unpack_from(header + bytes(36))[1] == 2  # version 2
+    elif place.kind == "redis":
+        assert place.url is not None
+        with raw_client(place.url) as client:
+            assert client.get(redis_key(key(3)))[:4] == b"LMP\x02"
+            assert client.get(redis_key(key(2)))[:4] == b"LMP\x01"

@@ -11,7 +11,11 @@ a tier keeps its zero-copy paths (Mooncake's put-from, the disk tier's ``O_DIREC
 
 Decoding reads whatever was stored, whatever this stage's own codec: an encoded chunk
 (:mod:`.format`), a sealed one (:mod:`.encryption`), or a raw payload (written with ``none``, or
-before codecs existed).  A tier sizes its read buffers with :meth:`ChunkStage.max_read_bytes`
+before codecs existed).  A tier whose framing records which it stored (the disk tier's file
+header, the Redis tier's value header: ``encoded=True`` for what :meth:`ChunkStage.encode`
+changed, ``False`` for a payload as it is) says so, and the stage trusts it; a tier that
+stores bare objects (Mooncake) passes ``encoded=None`` and the stage tells them apart by their
+first four bytes.  A tier sizes its read buffers with :meth:`ChunkStage.max_read_bytes`
 (every codec's largest chunk), so chunks written under other settings fit.  A passthrough tier
 reads stored bytes straight into the arena slot and calls :meth:`ChunkStage.decode_in_place`,
 which costs nothing for a raw payload (a look at its first four bytes) and decodes a chunk
@@ -123,10 +127,18 @@ class ChunkStage:
             return encoded
         return self.cipher.seal(encoded, tenant=tenant, key_name=key_name, content=ENCODED)
 
-    def is_raw(self, stored: bytes | bytearray | memoryview) -> bool:
-        """Whether ``stored`` is to be read as the payload itself (no cipher here, and it is
-        neither an encoded nor a sealed chunk): nothing to decode."""
-        return self.cipher is None and not is_encoded(stored) and not is_sealed(stored)
+    def encodes(self) -> bool:
+        """Whether :meth:`encode` changes payloads (not a passthrough): what a tier records in
+        its framing (``encoded``) for what it stores."""
+        return not self.passthrough
+
+    def is_raw(self, stored: bytes | bytearray | memoryview, encoded: bool | None = None) -> bool:
+        """Whether ``stored`` is to be read as the payload itself, with nothing to decode: no
+        cipher here, and the tier's framing says it is a payload (``encoded`` false) or, where
+        it does not say (``None``), it is neither an encoded nor a sealed chunk."""
+        if self.cipher is not None or encoded:
+            return False
+        return encoded is False or (not is_encoded(stored) and not is_sealed(stored))
 
     def decode_in_place(
         self,
@@ -135,22 +147,23 @@ class ChunkStage:
         *,
         key_name: bytes,
         tenant: bytes = b"",
+        encoded: bool | None = None,
     ) -> int:
         """The payload's length, once the ``stored_bytes`` a tier read straight into the start of
         ``slot`` are the payload: a raw payload is left as it is (without a cipher: the usual
         case of a passthrough tier, free); an encoded or sealed chunk is copied to a per-thread
-        scratch buffer and decoded back into ``slot``.
+        scratch buffer and decoded back into ``slot``.  ``encoded``: as :meth:`decode_into`.
 
         Raises:
             CodecMiss: as :meth:`decode_into`.  ``slot`` must not be handed out then.
         """
         view = memoryview(slot).cast("B")
         stored = view[:stored_bytes]
-        if self.is_raw(stored):
+        if self.is_raw(stored, encoded):
             return stored_bytes
         copy = _scratch("stored", stored_bytes)
         copy[:] = stored
-        return self.decode_into(copy, view, key_name=key_name, tenant=tenant)
+        return self.decode_into(copy, view, key_name=key_name, tenant=tenant, encoded=encoded)
 
     def decode_into(
         self,
@@ -159,8 +172,15 @@ class ChunkStage:
         *,
         key_name: bytes,
         tenant: bytes = b"",
+        encoded: bool | None = None,
     ) -> int:
         """Fill the start of ``out`` with the payload ``stored`` holds; returns its length.
+
+        Args:
+            encoded: what the tier's framing says ``stored`` is: what :meth:`encode` made of a
+                payload (``True``), a payload as it is (``False``: copied without a look at
+                its bytes, or refused with a cipher here), or ``None`` where the tier stores
+                bare objects: told by the first four bytes.
 
         Raises:
             CodecMiss: the stored bytes are damaged, of an unknown or foreign encoding, sealed
@@ -168,6 +188,12 @@ class ChunkStage:
                 cipher here, or larger than ``out``.  ``out`` must not be handed out then.
         """
         dtype = self.codec.dtype
+        if encoded is False:
+            if self.cipher is not None:
+                raise DecryptionMiss("a payload as it is (encryption is on: plaintext is refused)")
+            return _copy_raw(stored, out)
+        if encoded and not is_sealed(stored) and not is_encoded(stored):
+            raise CodecMiss("stored as encoded, but neither an encoded nor a sealed chunk")
         if self.cipher is not None:
             if not is_sealed(stored):
                 raise DecryptionMiss("not sealed (encryption is on: plaintext is refused)")
@@ -182,9 +208,13 @@ class ChunkStage:
             raise DecryptionMiss("sealed, and no encryption key is configured here")
         if is_encoded(stored):
             return decode_into(stored, out, dtype=dtype)
-        view = memoryview(stored).cast("B")
-        target = memoryview(out).cast("B")
-        if len(view) > len(target):
-            raise CodecMiss(f"a raw chunk of {len(view)} bytes, more than the {len(target)} given")
-        target[: len(view)] = view
-        return len(view)
+        return _copy_raw(stored, out)
+
+
+def _copy_raw(stored: bytes | bytearray | memoryview, out: bytearray | memoryview) -> int:
+    view = memoryview(stored).cast("B")
+    target = memoryview(out).cast("B")
+    if len(view) > len(target):
+        raise CodecMiss(f"a raw chunk of {len(view)} bytes, more than the {len(target)} given")
+    target[: len(view)] = view
+    return len(view)

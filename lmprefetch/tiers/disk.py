@@ -67,6 +67,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import trio
@@ -536,7 +537,7 @@ class DiskTier(WritesBehind, BaseTier):
                     raise
                 target = _read_scratch(stage.max_read_bytes(slot.nbytes))
                 read, direct = self._read_file(path, key_bytes, target, check, trusted)
-                if stage.is_raw(target[: read.payload_bytes]):
+                if not read.encoded:
                     raise  # a payload larger than this slot, as it was first found
         except FileNotFoundError:
             raise chunkfile.FileMissing(path) from None
@@ -544,15 +545,20 @@ class DiskTier(WritesBehind, BaseTier):
             chunkfile.unlink_quiet(path)
             raise
         stored = read.payload_bytes
-        if target is slot and stage.is_raw(slot[:stored]):
+        if target is slot and stage.is_raw(slot[:stored], read.encoded):
             return _Loaded(read, direct, started_ns, stored)
         t0 = time.perf_counter()
         refused = None
+        encoded = read.encoded
         try:
             if target is slot:  # a passthrough tier's file written under another codec
-                n = stage.decode_in_place(slot, stored, key_name=key_bytes, tenant=tenant)
+                n = stage.decode_in_place(
+                    slot, stored, key_name=key_bytes, tenant=tenant, encoded=encoded
+                )
             else:
-                n = stage.decode_into(target[:stored], slot, key_name=key_bytes, tenant=tenant)
+                n = stage.decode_into(
+                    target[:stored], slot, key_name=key_bytes, tenant=tenant, encoded=encoded
+                )
         except CodecMiss as exc:
             refused = str(exc)
         if refused is not None:
@@ -560,7 +566,7 @@ class DiskTier(WritesBehind, BaseTier):
             # slot, which must not outlive the load (the arena could not close).
             chunkfile.unlink_quiet(path)
             raise _Undecodable(refused)
-        return _Loaded(read, direct, started_ns, n, time.perf_counter() - t0, True)
+        return _Loaded(read, direct, started_ns, n, time.perf_counter() - t0, encoded)
 
     def _read_file(
         self,
@@ -660,7 +666,7 @@ class DiskTier(WritesBehind, BaseTier):
             with contextlib.ExitStack() as views:
                 data = views.enter_context(buf.view()) if stored is None else memoryview(stored)
                 await trio.to_thread.run_sync(
-                    chunkfile.write_file,
+                    partial(chunkfile.write_file, encoded=stored is not None),
                     final,
                     final[: -len(chunkfile.FILE_SUFFIX)] + chunkfile.TEMP_SUFFIX,
                     key.to_string().encode(),

@@ -4,8 +4,11 @@ Several engines on several machines (each with its own CPU and disk tiers) share
 deployment: a chunk one engine stored is a hit for every other engine with the same model,
 world size, rank and dtype.  Each chunk is one Redis string under ``"lmprefetch:" +
 key.to_string()``; the key names the model, so two models never collide.  The value is a
-20-byte header (magic ``LMP\\x01``, payload length, xxh3-64 checksum of the payload) followed by
-the payload, so a truncated, foreign or corrupted value is recognised and treated as a miss.
+20-byte header (magic, payload length, xxh3-64 checksum of the payload) followed by the
+payload, so a truncated, foreign or corrupted value is recognised and treated as a miss.  The
+magic says what follows: ``LMP\\x01`` a payload as it is, ``LMP\\x02`` what the tier's codec
+stage made of it (an encoded or sealed chunk); a release that predates codecs knows only the
+first, so it takes an encoded value for a corrupt one (a miss), never for a payload.
 
 **Why redis-py's synchronous client in worker threads, not ``redis.asyncio``.**  ``redis.asyncio``
 runs on asyncio's event loop; this engine runs on Trio, which cannot drive asyncio coroutines
@@ -101,6 +104,7 @@ __all__ = [
     "encode_value",
     "open_redis_tier",
     "redis_key",
+    "value_is_encoded",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,6 +112,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _MAGIC: Final = b"LMP\x01"
+#: The magic of a value the codec stage encoded (or sealed).
+_MAGIC_ENCODED: Final = b"LMP\x02"
 # magic, payload length, xxh3-64 of the payload; little-endian, no padding.
 _HEADER: Final = struct.Struct("<4sQQ")
 #: Bytes in front of the payload in every stored value.
@@ -155,25 +161,38 @@ def redis_key(key: ChunkKey) -> bytes:
     return (KEY_PREFIX + key.to_string()).encode()
 
 
-def encode_value(payload: Any) -> bytes:
-    """Header plus ``payload`` (any bytes-like object): the value stored in Redis."""
+def encode_value(payload: Any, *, encoded: bool = False) -> bytes:
+    """Header plus ``payload`` (any bytes-like object): the value stored in Redis;
+    ``encoded``: ``payload`` is what a codec stage made of one (docs/codecs.md)."""
     view = memoryview(payload).cast("B")
-    header = _HEADER.pack(_MAGIC, view.nbytes, xxhash.xxh3_64_intdigest(view))
+    magic = _MAGIC_ENCODED if encoded else _MAGIC
+    header = _HEADER.pack(magic, view.nbytes, xxhash.xxh3_64_intdigest(view))
     return b"".join((header, view))
 
 
 def decode_value(raw: bytes) -> memoryview | None:
     """The payload of a stored value, or ``None`` when ``raw`` is not a valid value (too short,
     wrong magic, wrong length, bad checksum)."""
+    checked = _check_value(raw)
+    return None if checked is None else checked[0]
+
+
+def value_is_encoded(raw: bytes) -> bool:
+    """Whether a stored value holds what a codec stage made of a payload (its magic)."""
+    return raw[: len(_MAGIC_ENCODED)] == _MAGIC_ENCODED
+
+
+def _check_value(raw: bytes) -> tuple[memoryview, bool] | None:
+    """A valid value's payload, and whether it is encoded; ``None`` for an invalid one."""
     if len(raw) < HEADER_BYTES:
         return None
     magic, length, checksum = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or length != len(raw) - HEADER_BYTES:
+    if magic not in (_MAGIC, _MAGIC_ENCODED) or length != len(raw) - HEADER_BYTES:
         return None
     payload = memoryview(raw)[HEADER_BYTES:]
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         return None
-    return payload
+    return payload, magic == _MAGIC_ENCODED
 
 
 # -- what runs in worker threads (never touches arena memory) ------------------------------
@@ -198,31 +217,31 @@ def _exists_prefix(client: RedisClient, names: Sequence[bytes]) -> tuple[int, Ba
 
 def _get_prefix(
     client: RedisClient, names: Sequence[bytes], capacities: Sequence[int]
-) -> tuple[list[memoryview], BaseException | None, bool]:
-    """Pipelined GET; the verified payloads of the leading values, the error that stopped them
-    (if any), and whether a corrupt value stopped them (it is then deleted, best effort).  A
-    valid value larger than its buffer also stops them (a miss here; it stays in Redis for
-    engines with larger slots)."""
+) -> tuple[list[tuple[memoryview, bool]], BaseException | None, bool]:
+    """Pipelined GET; the verified payloads of the leading values (each with whether it is
+    encoded), the error that stopped them (if any), and whether a corrupt value stopped them
+    (it is then deleted, best effort).  A valid value larger than its buffer also stops them
+    (a miss here; it stays in Redis for engines with larger slots)."""
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.get(name)
     results = pipe.execute(raise_on_error=False)
-    payloads: list[memoryview] = []
+    payloads: list[tuple[memoryview, bool]] = []
     for name, capacity, raw in zip(names, capacities, results, strict=True):
         if isinstance(raw, BaseException):
             return payloads, raw, False
         if raw is None:  # a hole: stop, never pair later values with earlier keys (D13)
             break
-        payload = decode_value(raw)
-        if payload is None:
+        checked = _check_value(raw)
+        if checked is None:
             try:
                 client.delete(name)
             except redis.RedisError:
                 pass  # best effort: the value is a miss either way
             return payloads, None, True
-        if payload.nbytes > capacity:
+        if checked[0].nbytes > capacity:
             break
-        payloads.append(payload)
+        payloads.append(checked)
     return payloads, None, False
 
 
@@ -260,19 +279,20 @@ class _Decoded:
 
 
 def _copy_into(
-    payloads: Sequence[memoryview],
+    payloads: Sequence[tuple[memoryview, bool]],
     buffers: Sequence[Buffer],
     stage: ChunkStage,
     key_names: Sequence[bytes],
     tenant: bytes,
 ) -> tuple[int, _Decoded]:
-    """Decode each stored value into its buffer, in order, until one is refused (the thread
-    that writes arena memory); the count filled, and what it took."""
+    """Decode each stored value (with whether it is encoded) into its buffer, in order, until
+    one is refused (the thread that writes arena memory); the count filled, and what it
+    took."""
     done = _Decoded()
     filled = 0
-    for payload, buf, name in zip(payloads, buffers, key_names, strict=False):
+    for (payload, encoded), buf, name in zip(payloads, buffers, key_names, strict=False):
         slot = buf.slot()
-        if stage.is_raw(payload):
+        if stage.is_raw(payload, encoded):
             if payload.nbytes > slot.nbytes:
                 break  # a payload larger than this engine's slots: a miss, left in Redis
             slot[: payload.nbytes] = payload
@@ -280,7 +300,9 @@ def _copy_into(
         else:
             t0 = time.perf_counter()
             try:
-                n = stage.decode_into(payload, slot, key_name=name, tenant=tenant)
+                n = stage.decode_into(
+                    payload, slot, key_name=name, tenant=tenant, encoded=encoded
+                )
             except CodecMiss as exc:
                 done.miss = exc.detached()
                 break
@@ -302,11 +324,12 @@ def _encode_all(
     t0 = time.perf_counter()
     values: list[tuple[bytes, bytes]] = []
     sizes: list[int] = []
+    encoded = stage.encodes()
     for name, key_name, buf, tenant in items:
         with buf.view() as payload:
             stored = stage.encode(payload, key_name=key_name, tenant=tenant)
             sizes.append(memoryview(stored).nbytes)
-            values.append((name, encode_value(stored)))
+            values.append((name, encode_value(stored, encoded=encoded)))
     seconds = 0.0 if stage.passthrough else time.perf_counter() - t0
     return values, sizes, seconds
 
