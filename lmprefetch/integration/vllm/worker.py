@@ -170,6 +170,12 @@ class _WorkerSide:
         if "model_name" not in explicit:
             model = str(getattr(self._vllm_config.model_config, "model", "") or "model")
             changes["model_name"] = model.replace("@", "_")
+        if "codec_group" not in explicit:
+            # A scale per token and head for the fp8/int8/int4 codecs (docs/codecs.md): every
+            # row's innermost dimension is the head size (K and V side by side on the CPU).
+            head_size = getattr(self._vllm_config.model_config, "get_head_size", None)
+            if callable(head_size) and int(head_size()) % 2 == 0:
+                changes["codec_group"] = int(head_size())
         if "kv_dtype" not in explicit:
             name = layout.kv_dtype_name
             if name is None:
