@@ -31,6 +31,7 @@ Thread-safe and free of I/O: tiers call it in their worker threads.
 from __future__ import annotations
 
 import threading
+import time
 
 from .encryption import (
     ENCODED,
@@ -44,7 +45,7 @@ from .encryption import (
 from .format import HEADER, CodecMiss, is_encoded
 from .registry import Codec, decode_into
 
-__all__ = ["MAX_OVERHEAD_BYTES", "ChunkStage"]
+__all__ = ["MAX_OVERHEAD_BYTES", "ChunkStage", "Decodes"]
 
 #: The most bytes any codec and the cipher add to a payload: the encoded chunk's header, the
 #: lossless body's plane table for 4-byte elements at worst (a count, then a mode and a length
@@ -209,6 +210,97 @@ class ChunkStage:
         if is_encoded(stored):
             return decode_into(stored, out, dtype=dtype)
         return _copy_raw(stored, out)
+
+
+class Decodes:
+    """A run of decodes in one of a tier's load threads, chunk after chunk, until the stage
+    refuses one: the payload lengths so far, the bytes and the time it took (for the tier's
+    statistics: ``TierStats.observe_decoded``), and the refusal that ended it.
+
+    A payload stored as it is costs no decoding: it is copied (:meth:`into`) or left where it
+    is (:meth:`in_place`), untimed.
+    """
+
+    __slots__ = ("decoded", "lengths", "miss", "seconds", "stage", "stored_bytes")
+
+    def __init__(self, stage: ChunkStage) -> None:
+        self.stage = stage
+        #: The payload length of each chunk decoded so far, in order.
+        self.lengths: list[int] = []
+        self.stored_bytes = 0
+        self.seconds = 0.0
+        #: Whether any chunk went through the codec or the cipher.
+        self.decoded = False
+        #: Why the stage refused the chunk after the decoded ones (kept without its
+        #: traceback: :meth:`CodecMiss.detached`), if it did.
+        self.miss: CodecMiss | None = None
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.lengths)
+
+    def into(
+        self,
+        stored: bytes | bytearray | memoryview,
+        out: bytearray | memoryview,
+        *,
+        key_name: bytes,
+        tenant: bytes,
+        encoded: bool | None = None,
+    ) -> bool:
+        """Decode ``stored`` into ``out`` (:meth:`ChunkStage.decode_into`); ``False`` once the
+        stage refused it (:attr:`miss`): the run ends there."""
+        size = memoryview(stored).nbytes
+        if self.stage.is_raw(stored, encoded):
+            try:
+                n = _copy_raw(stored, out)
+            except CodecMiss as exc:  # larger than ``out``
+                return self._refused(exc, 0.0)
+            return self._done(n, size, 0.0, decoded=False)
+        t0 = time.perf_counter()
+        try:
+            n = self.stage.decode_into(
+                stored, out, key_name=key_name, tenant=tenant, encoded=encoded
+            )
+        except CodecMiss as exc:
+            return self._refused(exc, time.perf_counter() - t0)
+        return self._done(n, size, time.perf_counter() - t0, decoded=True)
+
+    def in_place(
+        self,
+        slot: bytearray | memoryview,
+        stored_bytes: int,
+        *,
+        key_name: bytes,
+        tenant: bytes,
+        encoded: bool | None = None,
+    ) -> bool:
+        """The ``stored_bytes`` read straight into ``slot``, decoded where they lie
+        (:meth:`ChunkStage.decode_in_place`); ``False`` once the stage refused them."""
+        with memoryview(slot)[:stored_bytes] as stored:
+            raw = self.stage.is_raw(stored, encoded)
+        if raw:
+            return self._done(stored_bytes, stored_bytes, 0.0, decoded=False)
+        t0 = time.perf_counter()
+        try:
+            n = self.stage.decode_in_place(
+                slot, stored_bytes, key_name=key_name, tenant=tenant, encoded=encoded
+            )
+        except CodecMiss as exc:
+            return self._refused(exc, time.perf_counter() - t0)
+        return self._done(n, stored_bytes, time.perf_counter() - t0, decoded=True)
+
+    def _refused(self, exc: CodecMiss, seconds: float) -> bool:
+        self.miss = exc.detached()
+        self.seconds += seconds
+        return False
+
+    def _done(self, length: int, stored_bytes: int, seconds: float, *, decoded: bool) -> bool:
+        self.lengths.append(length)
+        self.stored_bytes += stored_bytes
+        self.seconds += seconds
+        self.decoded = self.decoded or decoded
+        return True
 
 
 def _copy_raw(stored: bytes | bytearray | memoryview, out: bytearray | memoryview) -> int:

@@ -108,6 +108,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from ..codec import ChunkStage, CodecMiss
+from ..codec.stage import Decodes
 from ..config import MOONCAKE_SEGMENT_MIN, PrefetchConfig, parse_host_port
 from ..keys import ChunkKey
 from ..limiter import WeightedCapacityLimiter
@@ -196,20 +197,6 @@ def _get_into(
     return list(store.batch_get_into(names, addresses, sizes))
 
 
-class _Got:
-    """What one load batch's thread did: Mooncake's result per key, then per filled key the
-    payload length decoded (or why the stage refused it, which ends the list)."""
-
-    __slots__ = ("decoded", "miss", "payload_bytes", "results", "seconds")
-
-    def __init__(self, results: list[int]) -> None:
-        self.results = results
-        self.payload_bytes: list[int] = []
-        self.miss: CodecMiss | None = None
-        self.seconds = 0.0
-        self.decoded = False
-
-
 def _get_decoded(
     store: MooncakeStore,
     names: list[str],
@@ -220,35 +207,24 @@ def _get_decoded(
     stage: ChunkStage,
     key_names: list[bytes],
     tenant: bytes,
-) -> _Got:
+) -> tuple[list[int], Decodes]:
     """Get each object (into the ``staged`` buffers, or straight into ``bufs``), then decode
     each one got into its buffer, in order, until one is refused (the thread that writes
-    arena memory: never abandoned)."""
-    got = _Got(_get_into(store, names, addresses, sizes))
-    for i, rc in enumerate(got.results):
+    arena memory: never abandoned); Mooncake's result per key, and what the decoding did."""
+    results = _get_into(store, names, addresses, sizes)
+    done = Decodes(stage)
+    for i, rc in enumerate(results):
         if not 0 < rc <= sizes[i]:
             break
-        with contextlib.ExitStack() as views:
-            slot = views.enter_context(bufs[i].slot())
-            stored = slot[:rc] if staged is None else views.enter_context(staged[i].slot())[:rc]
-            views.callback(stored.release)
-            if staged is None and stage.is_raw(stored):
-                got.payload_bytes.append(rc)  # zero-copy: the payload is where it belongs
-                continue
-            t0 = time.perf_counter()
-            try:
-                if staged is None:  # a passthrough tier's object written under another codec
-                    n = stage.decode_in_place(slot, rc, key_name=key_names[i], tenant=tenant)
-                else:
-                    n = stage.decode_into(stored, slot, key_name=key_names[i], tenant=tenant)
-            except CodecMiss as exc:
-                got.miss = exc.detached()
-                break
-            finally:
-                got.seconds += time.perf_counter() - t0
-        got.decoded = True
-        got.payload_bytes.append(n)
-    return got
+        with bufs[i].slot() as slot:
+            if staged is None:  # the object is in the slot already (maybe encoded elsewhere)
+                ok = done.in_place(slot, rc, key_name=key_names[i], tenant=tenant)
+            else:
+                with staged[i].slot() as stored:
+                    ok = done.into(stored[:rc], slot, key_name=key_names[i], tenant=tenant)
+        if not ok:
+            break
+    return results, done
 
 
 def _encode_put(
@@ -678,22 +654,20 @@ class MooncakeTier(RemoteTier):
             names = [mooncake_key(key) for key in keys[start:end]]
             key_names = [key.to_string().encode() for key in keys[start:end]]
             try:
-                got = await self._get_batch(names, bufs, key_names, tenant, staged=staged)
+                results, done = await self._get_batch(
+                    names, bufs, key_names, tenant, staged=staged
+                )
             except Unavailable:
                 break
-            results = got.results
             self.stats.observe_decoded(
-                sum(got.payload_bytes),
-                sum(results[: len(got.payload_bytes)]),
-                got.seconds,
-                decoded=got.decoded,
+                done.payload_bytes, done.stored_bytes, done.seconds, decoded=done.decoded
             )
-            filled = len(got.payload_bytes)
-            for buf, payload_bytes in zip(bufs, got.payload_bytes, strict=False):
+            filled = len(done.lengths)
+            for buf, payload_bytes in zip(bufs, done.lengths, strict=False):
                 buf.length = payload_bytes
-                loaded_bytes += payload_bytes
-            if got.miss is not None:
-                self._refuse(keys[start + filled], names[filled], got.miss)
+            loaded_bytes += done.payload_bytes
+            if done.miss is not None:
+                self._refuse(keys[start + filled], names[filled], done.miss)
             elif filled < len(results):
                 rc = results[filled]
                 if rc in MISSING:
@@ -721,7 +695,7 @@ class MooncakeTier(RemoteTier):
         tenant: bytes,
         *,
         staged: bool,
-    ) -> _Got:
+    ) -> tuple[list[int], Decodes]:
         """One ``batch_get_into`` and the decoding of what it got (see :func:`_get_decoded`),
         through staging slots when ``staged``."""
         if not staged:

@@ -81,6 +81,7 @@ from redis.connection import SSLConnection, parse_url
 from redis.retry import Retry
 
 from ..codec import ChunkStage, CodecMiss
+from ..codec.stage import Decodes
 from ..keys import ChunkKey
 from ..memory import Buffer
 from .remote import (
@@ -264,56 +265,25 @@ def _set_all(
     return ok, error
 
 
-class _Decoded:
-    """What a load's copy into the arena did (see :func:`_copy_into`)."""
-
-    __slots__ = ("decoded", "miss", "payload_bytes", "seconds", "stored_bytes")
-
-    def __init__(self) -> None:
-        self.payload_bytes = 0
-        self.stored_bytes = 0
-        self.seconds = 0.0
-        self.decoded = False
-        #: Why the value after the filled ones was refused, if one was.
-        self.miss: CodecMiss | None = None
-
-
 def _copy_into(
     payloads: Sequence[tuple[memoryview, bool]],
     buffers: Sequence[Buffer],
     stage: ChunkStage,
     key_names: Sequence[bytes],
     tenant: bytes,
-) -> tuple[int, _Decoded]:
+) -> Decodes:
     """Decode each stored value (with whether it is encoded) into its buffer, in order, until
-    one is refused (the thread that writes arena memory); the count filled, and what it
-    took."""
-    done = _Decoded()
-    filled = 0
+    one is refused or is a payload larger than its buffer (the thread that writes arena
+    memory); what it did."""
+    done = Decodes(stage)
     for (payload, encoded), buf, name in zip(payloads, buffers, key_names, strict=False):
-        slot = buf.slot()
-        if stage.is_raw(payload, encoded):
-            if payload.nbytes > slot.nbytes:
+        with buf.slot() as slot:
+            if stage.is_raw(payload, encoded) and payload.nbytes > slot.nbytes:
                 break  # a payload larger than this engine's slots: a miss, left in Redis
-            slot[: payload.nbytes] = payload
-            n = payload.nbytes
-        else:
-            t0 = time.perf_counter()
-            try:
-                n = stage.decode_into(
-                    payload, slot, key_name=name, tenant=tenant, encoded=encoded
-                )
-            except CodecMiss as exc:
-                done.miss = exc.detached()
+            if not done.into(payload, slot, key_name=name, tenant=tenant, encoded=encoded):
                 break
-            finally:
-                done.seconds += time.perf_counter() - t0
-            done.decoded = True
-        buf.length = n
-        done.payload_bytes += n
-        done.stored_bytes += payload.nbytes
-        filled += 1
-    return filled, done
+        buf.length = done.lengths[-1]
+    return done
 
 
 def _encode_all(
@@ -543,13 +513,14 @@ class RedisTier(RemoteTier):
             if payloads:
                 got = keys[start : start + len(payloads)]
                 key_names = [key.to_string().encode() for key in got]
-                filled, done = await trio.to_thread.run_sync(
+                done = await trio.to_thread.run_sync(
                     _copy_into, payloads, buffers[start:end], stage, key_names, tenant,
                     abandon_on_cancel=False,
                 )  # fmt: skip
                 self.stats.observe_decoded(
                     done.payload_bytes, done.stored_bytes, done.seconds, decoded=done.decoded
                 )
+                filled = len(done.lengths)
                 loaded_bytes += done.payload_bytes
                 refused = done.miss
             n += filled
