@@ -346,13 +346,14 @@ class WorkerRuntime:
         offsets: Sequence[int],
         *,
         skip_chunks: int = 0,
+        tenant: bytes = b"",
     ) -> int:
         """Blocking :meth:`Engine.lookup_and_prefetch` (for in-process use without sockets)."""
         portal, engine = self._running()
 
         async def run() -> int:
             return await engine.lookup_and_prefetch(
-                lookup_id, hashes, offsets, skip_chunks=skip_chunks
+                lookup_id, hashes, offsets, skip_chunks=skip_chunks, tenant=tenant
             )
 
         return int(portal.call(run))
