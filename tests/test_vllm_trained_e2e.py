@@ -35,7 +35,7 @@ httpx = pytest.importorskip("httpx")
 from lmprefetch.bench.serve.client import scrape_metrics  # noqa: E402
 from lmprefetch.bench.serve.model import english_corpus, kv_bytes_per_token  # noqa: E402
 from lmprefetch.bench.serve.procs import ManagedProcess, ProcessSet, free_port  # noqa: E402
-from lmprefetch.bench.serve.run import base_env, private_dirs, server_argv  # noqa: E402
+from lmprefetch.bench.serve.servers import base_env, private_dirs, server_argv  # noqa: E402
 from lmprefetch.bench.trained import SMOLLM2_CONFIG  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.trained, pytest.mark.slow]
