@@ -82,6 +82,7 @@ KINDS = [
     # The same tiers through a codec stage that is not a passthrough.
     "disk_sealed",
     pytest.param("redis_sealed", marks=redis_marks),
+    pytest.param("mooncake_sealed", marks=needs_mooncake),
     "mooncake_fake_sealed",
 ]
 
@@ -204,7 +205,7 @@ def kind_and_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
     if kind == "redis_cluster":
         cluster: RedisCluster = request.getfixturevalue("redis_cluster")
         return kind, cluster.url
-    if kind == "mooncake":
+    if kind in ("mooncake", "mooncake_sealed"):
         master: MooncakeMaster = request.getfixturevalue("mooncake_master")
         return kind, master.address
     return kind, None
@@ -236,7 +237,7 @@ async def opened(kind: str, url: str | None, arena: Arena, path: Path) -> AsyncI
             ) as disk:  # fmt: skip
                 yield Harness(kind, disk, arena, path=path)
         elif kind.startswith("mooncake"):
-            real = kind == "mooncake"
+            real = kind in ("mooncake", "mooncake_sealed")
             async with open_mooncake_tier(
                 url if real else "127.0.0.1:1",
                 arena=arena,

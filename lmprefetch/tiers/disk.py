@@ -665,8 +665,14 @@ class DiskTier(WritesBehind, BaseTier):
         try:
             with contextlib.ExitStack() as views:
                 data = views.enter_context(buf.view()) if stored is None else memoryview(stored)
+                # (A payload as it is: the call there always was; format version 2 otherwise.)
+                write = (
+                    chunkfile.write_file
+                    if stored is None
+                    else partial(chunkfile.write_file, encoded=True)
+                )
                 await trio.to_thread.run_sync(
-                    partial(chunkfile.write_file, encoded=stored is not None),
+                    write,
                     final,
                     final[: -len(chunkfile.FILE_SUFFIX)] + chunkfile.TEMP_SUFFIX,
                     key.to_string().encode(),
