@@ -26,6 +26,8 @@
 * ``lmcache`` — wire compatibility and the side-by-side benchmark against LMCache 0.5.6
   (large install; not part of ``ci``).
 * ``bench``   — the benchmarks (``lmprefetch bench`` and the engine benchmark).
+* ``build``   — the wheel and the sdist into ``dist/`` (``python -m build``), then the wheel
+  installed into a virtualenv of its own and run; ``ci`` runs it.
 * ``chaos``   — worker processes killed and paused, chunk files damaged, the disk full, one
   client from 8 threads, for a few minutes; figures into ``docs/reliability.md`` (not in ``ci``).
 * ``fuzz``    — coverage-guided fuzzing (atheris) of wire frames, the server's receive path,
@@ -42,8 +44,8 @@
 * ``mutants`` — mutation testing (mutmut) of the engine, limiter, arena, protocol and server;
   the score per module goes in docs/reliability.md (not part of ``ci``: about an hour here).
 * ``ci``      — lint + types + the suite (redis included) here, the Mooncake suite in its
-  network namespace, then the oldest/newest matrix corners, ``vllm``, ``vllm-030`` and
-  ``vllm-034``.
+  network namespace, then the oldest/newest matrix corners, ``vllm``, ``vllm-030``,
+  ``vllm-034``, ``docs`` and ``build``.
 
 A session meant to exercise a component passes ``--require COMPONENT`` to pytest
 (tests/components.py): the run then fails, instead of skipping, when vLLM, torch, LMCache,
@@ -312,6 +314,41 @@ def lmcache(session: nox.Session) -> None:
     _pytest(session, "-q", "-m", "lmcache", "--require", "lmcache")
 
 
+#: The small ``lmprefetch bench`` that checks an installed package runs (seconds, not figures).
+SMALL_BENCH = (
+    "bench", "--conversations", "8", "--turns", "2", "--chunk-bytes", "262144",
+    "--cpu-bytes", "16777216", "--miss-lookups", "400", "--rtt-samples", "50", "--no-progress",
+)  # fmt: skip
+
+
+@nox.session(python="3.11")
+def build(session: nox.Session) -> None:
+    """The wheel and the source distribution into dist/ (``python -m build``), then the wheel
+    installed into a virtualenv of its own, outside the checkout, and run: ``lmprefetch
+    --version``, ``python -m lmprefetch --help`` and a small ``lmprefetch bench``.  The README's
+    "from a wheel" install is this wheel."""
+    _install(session, "build>=1.0")
+    dist = HERE / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist), str(HERE))
+    wheels = sorted(dist.glob("lmprefetch-*.whl"))
+    if len(wheels) != 1 or not sorted(dist.glob("lmprefetch-*.tar.gz")):
+        session.error(f"expected one wheel and one sdist in {dist}, found {sorted(dist.iterdir())}")
+    # A virtualenv of its own, with nothing of the checkout on its path: the installed wheel.
+    elsewhere = Path(session.create_tmp()).resolve() / "installed"
+    shutil.rmtree(elsewhere, ignore_errors=True)
+    session.run("python", "-m", "venv", str(elsewhere))
+    python = str(elsewhere / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), str(wheels[0]),
+                external=True)  # fmt: skip
+    session.chdir(elsewhere)
+    session.run(python, "-c", "import lmprefetch, sys; assert 'site-packages' in "
+                "lmprefetch.__file__, lmprefetch.__file__", external=True)  # fmt: skip
+    session.run(str(elsewhere / "bin" / "lmprefetch"), "--version", external=True)
+    session.run(python, "-m", "lmprefetch", "--help", external=True, silent=True)
+    session.run(str(elsewhere / "bin" / "lmprefetch"), *SMALL_BENCH, external=True)
+
+
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks; each prints its peer or physical limit beside its own figure."""
@@ -442,6 +479,7 @@ def ci(session: nox.Session) -> None:
     session.notify("vllm-030")
     session.notify("vllm-034")
     session.notify("docs")
+    session.notify("build")
 
 
 # The modules whose mutants `nox -s mutants` scores (pyproject.toml's [tool.mutmut] mutates

@@ -17,54 +17,41 @@
 
 Start-up errors (bad options, configuration, endpoints or ports in use) print one line naming
 the problem and exit with status 2; a worker that fails while running exits with status 1 after
-logging the traceback.  Ctrl-C prints one line and exits with status 130 (no traceback): during
-a worker's start-up it cancels the start-up, after it stops the worker (status 0, as SIGTERM).
+logging the traceback.
+
+Stopping (:mod:`lmprefetch._stopping`): SIGINT or SIGTERM, to the process or its whole group, at
+any moment from the imports on, prints one line (``lmprefetch: interrupted`` or ``lmprefetch:
+terminated``) and exits with status 130 or 143, after removing every temporary file and
+stopping every process the command started.  A worker that is serving stops cleanly on either
+signal instead, says so in one line and exits with status 0.
 """
 
 from __future__ import annotations
 
+# Only what main() needs before it takes charge of the signals is imported here: the console
+# script imports this module first, and a Ctrl-C until main() runs is Python's (a traceback).
+# The rest is imported where it is used.
 import argparse
 import errno
-import logging
 import os
 import signal
-import socket
 import sys
-import threading
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
-from .config import PrefetchConfig
+from . import _stopping
+
+if TYPE_CHECKING:
+    from .config import PrefetchConfig
 
 __all__ = ["main"]
-
-log = logging.getLogger("lmprefetch.cli")
-
-
-class _Signalled(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived while the worker was starting: unwind like Ctrl-C (every
-    ``finally`` and ``except BaseException`` on the way cleans up), then exit 128 + signum."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _interrupt_start_up(signum: int, _frame: object) -> None:
-    # The first signal unwinds the start-up; should the unwinding hang, a second one ends the
-    # process at once (the kernel releases its memory and sockets).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_now)
-    raise _Signalled(signum)
-
-
-def _exit_now(signum: int, _frame: object) -> None:
-    os._exit(128 + signum)
 
 
 def _check_metrics_host(host: str) -> None:
     """Resolve ``--metrics-host`` before anything starts, so that a name that does not
     resolve is reported as what it is."""
+    import socket
+
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, ValueError) as exc:  # gaierror; a label IDNA cannot encode; a NUL
@@ -80,6 +67,8 @@ _HOST_ERRORS = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
 def _start_error(exc: OSError, host: str, port: int | None) -> ValueError:
     """The one-line start-up error for an ``OSError`` out of ``WorkerRuntime.start``, naming the
     option to change when it is the metrics server's bind that failed."""
+    import socket
+
     reason = exc.strerror or str(exc)
     where = f"{host}:{port}"
     if port is not None and exc.errno in _PORT_ERRORS:
@@ -96,13 +85,18 @@ def _worker(args: argparse.Namespace) -> int:
     """Run one worker rank until SIGTERM/SIGINT (exit 0) or until it fails (exit 1).
 
     A signal during start-up stops the start-up (it is cancelled and cleaned up) and exits
-    with 128 + the signal's number (130 for Ctrl-C), without serving.
+    with 128 + the signal's number (130 for Ctrl-C), without serving; should that hang, a
+    second signal ends the process at once (:func:`main` set that up).
     """
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt_start_up)
+    # A worker makes no temporary files: should its start-up's unwinding hang (a thread
+    # pre-faulting a large arena), a second signal may end it at once.
+    _stopping.end_at_once_on_repeat()
+    import logging
+    import threading
 
     import zmq
 
+    from .config import PrefetchConfig, load_env
     from .publisher import EventsEndpointError
     from .runtime import WorkerRuntime
     from .transport import check_endpoint
@@ -135,20 +129,24 @@ def _worker(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ValueError(f"--events-endpoint: {exc}") from None
     # The file (--config, else $LMPREFETCH_CONFIG), then LMPREFETCH_<FIELD> variables over it.
-    config = PrefetchConfig.from_env(config_file=args.config)
+    config, where = load_env(PrefetchConfig, config_file=args.config)
     if args.events_endpoint is not None and not config.kv_events:
         raise ValueError(
             "--events-endpoint: KV events are off in the configuration (kv_events = false)"
         )
     stop = threading.Event()
+    stopped_by: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        if stopped_by:  # the clean stop hangs: end the process at once
+            os._exit(128 + signum)
+        stopped_by.append(signum)
         stop.set()
 
     def on_failure(_exc: BaseException) -> None:
         stop.set()  # the traceback is logged already; main() below exits non-zero
 
-    log.info(
+    logging.getLogger("lmprefetch.cli").info(
         "lmprefetch worker rank %d/%d: starting on %s",
         args.rank,
         args.world_size,
@@ -171,7 +169,7 @@ def _worker(args: argparse.Namespace) -> int:
         # Started: from now on a signal is the ordinary way to stop (exit 0).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
-    except _Signalled:
+    except KeyboardInterrupt:
         if runtime is not None:  # the signal came after start() returned
             runtime.close()
         raise
@@ -190,21 +188,51 @@ def _worker(args: argparse.Namespace) -> int:
     except OSError as exc:  # the metrics server's bind, or the system refusing a resource
         raise _start_error(exc, metrics_host, args.metrics_port) from None
     try:
+        # The configuration in the middle: the endpoints stay at the end, where scripts read
+        # the ports a worker bound.
+        source = "--config" if args.config is not None else "$LMPREFETCH_CONFIG"
         msg = (
             f"lmprefetch worker rank {args.rank}/{args.world_size} serving {args.request_endpoint}"
+            f" ({configuration_text(config, where, source)})"
         )
         if runtime.metrics_port is not None:
             msg += f", metrics on {metrics_host}:{runtime.metrics_port}"
         if runtime.publisher is not None:
             msg += f", KV events on {runtime.publisher.endpoint}"
-        print(msg, flush=True)
+        print(_one_line(msg), flush=True)
         stop.wait()
     finally:
         runtime.close()
     if runtime.failure is not None:
         print(f"lmprefetch worker: stopped by a failure: {runtime.failure!r}", file=sys.stderr)
         return 1
+    name = signal.Signals(stopped_by[0]).name if stopped_by else "a signal"
+    print(f"lmprefetch worker rank {args.rank}/{args.world_size}: stopped ({name})",
+          file=sys.stderr)  # fmt: skip
     return 0
+
+
+def configuration_text(config: PrefetchConfig, where: Mapping[str, str], file_option: str) -> str:
+    """The fields that were set, each with its value and where it came from, for the worker's
+    start-up line: ``chunk_size=4 from --config w.toml, cpu_bytes=8192 from
+    LMPREFETCH_CPU_BYTES, the rest default``.  ``where`` is
+    :func:`~lmprefetch.config.load_env`'s; ``file_option`` names how the file was given
+    (``--config`` or ``$LMPREFETCH_CONFIG``).  A password in a URL is not shown."""
+    import json
+    import re
+
+    parts = []
+    for name, source in where.items():
+        value = getattr(config, name)
+        shown = json.dumps(value) if isinstance(value, str | None) else str(value)
+        if isinstance(value, str):
+            shown = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", shown)
+        kind, _, place = source.partition(" ")
+        origin = f"{file_option} {place}" if kind == "in" else place
+        parts.append(f"{name}={shown} from {origin}")
+    if not parts:
+        return "every setting its default"
+    return ", ".join(parts) + ", the rest default"
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -229,6 +257,9 @@ def _one_line(text: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (naming the option) and exit code 2."""
+
+    #: The subcommands' parsers, by name (the top-level parser's; see :func:`build_parser`).
+    commands: dict[str, _Parser]
 
     def error(self, message: str) -> NoReturn:
         # argparse quotes most values it complains about, but not unrecognized arguments.
@@ -259,7 +290,7 @@ def _model(args: argparse.Namespace) -> int:
     return trained.main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     from . import __version__
 
     parser = _Parser(
@@ -340,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="build the trained model of the benchmarks (SmolLM2-135M)")
     add_model_arguments(m)
     m.set_defaults(func=_model)
+    # Every subcommand, in the order added: one list, so a new command cannot be missed.
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -347,24 +380,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit status.
 
     0 on success; 2 for a start-up error (one line on stderr naming the option, field or file
-    to fix); 130 when interrupted with Ctrl-C (143 for SIGTERM during a worker's start-up),
-    after one line and no traceback.
+    to fix); 130 when interrupted (SIGINT, Ctrl-C), 143 when terminated (SIGTERM), after one
+    line and no traceback, with every temporary file removed and every process the command
+    started stopped (a worker that is serving stops cleanly instead: status 0).
     """
+    # Called as the command (no argv), the handlers stay until the process exits; called as a
+    # function, the caller's are put back.  A signal may come while they are installed or put
+    # back: caught here too.
     try:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
-            format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        )
-        return int(args.func(args))
-    except ValueError as exc:
-        print(f"lmprefetch: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C: whatever was starting has cleaned up already
-        signum = exc.signum if isinstance(exc, _Signalled) else signal.SIGINT
-        what = "terminated" if signum == signal.SIGTERM else "interrupted"
-        print(f"lmprefetch: {what}", file=sys.stderr)
-        return 128 + signum
+        with (
+            _stopping.handling(restore=argv is not None),
+            _stopping.resource_tracker_stopped_at_exit(),
+        ):
+            args = _parse(build_parser(), sys.argv[1:] if argv is None else argv)
+            import logging
+
+            logging.basicConfig(
+                level=logging.INFO if args.verbose else logging.WARNING,
+                format="%(asctime)s %(name)s %(levelname)s %(message)s",
+            )
+            return int(args.func(args))
+    except BaseException as exc:
+        return _failed(exc)
+
+
+def _failed(exc: BaseException) -> int:
+    """The exit status for ``exc``, after its one line; re-raises what is not a start-up error
+    or a stop (a bug's traceback, argparse's ``SystemExit``)."""
+    signum = _stopping.received()
+    if signum is None:
+        if isinstance(exc, ValueError):
+            print(f"lmprefetch: {_one_line(str(exc))}", file=sys.stderr)
+            return 2
+        if not isinstance(exc, KeyboardInterrupt):
+            raise exc
+        signum = exc.signum if isinstance(exc, _stopping.Stopped) else signal.SIGINT
+    # Whatever the signal's unwinding raised on the way (a child's pipe closed under a
+    # receive, say), the signal is what happened.
+    print(f"lmprefetch: {_stopping.describe(signum)}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _parse(parser: _Parser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with an unknown command answered with the closest one,
+    and an unrecognized option blamed on the command it was given to."""
+    import difflib
+
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is not None and command not in parser.commands:
+        close = difflib.get_close_matches(command, parser.commands, n=1, cutoff=0.6)
+        commands = ", ".join(parser.commands)
+        hint = f"did you mean {close[0]!r}?" if close else f"the commands: {commands}"
+        parser.error(f"unknown command {command!r}; {hint}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -81,6 +81,7 @@ __all__ = [
     "FieldSpec",
     "PrefetchConfig",
     "describe_fields",
+    "load_env",
     "parse_host_port",
 ]
 
@@ -327,6 +328,28 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             description="The engine's prefill rate for the ``cost`` policy until it is "
             "measured (the vLLM connector measures it from model steps).  Unset: until "
             "measured, ``cost`` loads the whole hit.",
+        ),
+    ] = None
+
+    tier_cost_max_age_s: Annotated[
+        _Seconds,
+        Meta(
+            description="A tier's measured load throughput older than this is measured again: "
+            "when a load policy drops chunks of that tier (or of a tier never measured), two "
+            "of them are loaded in the background, not for the lookup, to measure it.  The "
+            "``cost`` policy does not trust a tier that has never been measured.",
+        ),
+    ] = 60.0
+    decision_log: Annotated[
+        _NonEmpty | None,
+        Meta(
+            extra={"path": True},
+            description="A file to which every lookup's load decision (the hit tier by tier, "
+            "each tier's measured cost, the prefill model, the predicted and the measured load "
+            "and recompute times), every model step the vLLM worker timed and every slow "
+            "garbage collection are appended, one JSON line each (``{rank}`` in the path is "
+            "replaced by the worker's rank).  Unset: nothing is recorded.  See "
+            "docs/policy.md.",
         ),
     ] = None
 
@@ -612,6 +635,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for spec in _FIELDS.values():
             problem = spec.problem(getattr(self, spec.name))
             if problem is not None:
+                if spec.name == "cpu_bytes":  # its bound, 2, is only the floor of its rule
+                    problem = _cpu_bytes_problem(self) or problem
                 raise ValueError(f"{spec.name}: {problem}")
         _check_rules(self)
 
@@ -679,31 +704,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 ignored silently), or a value is invalid; the message names the field (or
                 the unknown variable) and says which variable or file set it.
         """
-        env = os.environ if environ is None else environ
-        config_var = prefix + "CONFIG"
-        by_var = {prefix + name.upper(): name for name in _FIELDS}
-        for var in sorted(env):
-            if var.startswith(prefix) and var != config_var and var not in by_var:
-                field = var[len(prefix) :].lower()
-                hint = close_name(field, _FIELDS, prefix=prefix)
-                raise ValueError(
-                    f"{shown(var)}: unknown variable: no PrefetchConfig field is called "
-                    f"{field!r}{hint}"
-                )
-        values: dict[str, Any] = {}
-        where: dict[str, str] = {}
-        if config_file is None:
-            config_file = env.get(config_var) or None
-        if config_file is not None:
-            values = read_toml(config_file)
-            where = dict.fromkeys(values, f"in {shown(str(config_file))}")
-        for var, name in by_var.items():
-            value = env.get(var)
-            if value is None:
-                continue
-            values[name] = None if (value == "" and _FIELDS[name].optional) else value
-            where[name] = f"from {shown(var)}"
-        return located(cls.from_dict, values, where)
+        return load_env(cls, environ, prefix=prefix, config_file=config_file)[0]
 
     # -- derived ----------------------------------------------------------------------
     @property
@@ -731,6 +732,43 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return msgspec.structs.asdict(self)
 
 
+def load_env(
+    cls: type[PrefetchConfig],
+    environ: Mapping[str, str] | None = None,
+    *,
+    prefix: str = ENV_PREFIX,
+    config_file: str | os.PathLike[str] | None = None,
+) -> tuple[PrefetchConfig, dict[str, str]]:
+    """:meth:`PrefetchConfig.from_env`, and where each field that was set came from: field →
+    ``"in FILE"`` or ``"from LMPREFETCH_FIELD"`` (a variable wins over the file).  Fields
+    neither sets keep their defaults and are not in the mapping."""
+    env = os.environ if environ is None else environ
+    config_var = prefix + "CONFIG"
+    by_var = {prefix + name.upper(): name for name in _FIELDS}
+    for var in sorted(env):
+        if var.startswith(prefix) and var != config_var and var not in by_var:
+            field = var[len(prefix) :].lower()
+            hint = close_name(field, _FIELDS, prefix=prefix)
+            raise ValueError(
+                f"{shown(var)}: unknown variable: no PrefetchConfig field is called "
+                f"{field!r}{hint}"
+            )
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    if config_file is None:
+        config_file = env.get(config_var) or None
+    if config_file is not None:
+        values = read_toml(config_file)
+        where = dict.fromkeys(values, f"in {shown(str(config_file))}")
+    for var, name in by_var.items():
+        value = env.get(var)
+        if value is None:
+            continue
+        values[name] = None if (value == "" and _FIELDS[name].optional) else value
+        where[name] = f"from {shown(var)}"
+    return located(cls.from_dict, values, where), where
+
+
 def _check_rules(c: PrefetchConfig) -> None:
     """The rules that relate two fields (each field's own rules are in its declaration).  The
     message starts with the field to change."""
@@ -739,11 +777,9 @@ def _check_rules(c: PrefetchConfig) -> None:
             f"chunk_bytes: in layerwise mode must be a multiple of num_layers "
             f"({c.num_layers}), got {c.chunk_bytes}"
         )
-    if c.cpu_bytes < 2 * c.chunk_bytes:
-        raise ValueError(
-            f"cpu_bytes: must hold at least two chunks of chunk_bytes ({c.chunk_bytes}), "
-            f"got {c.cpu_bytes}"
-        )
+    problem = _cpu_bytes_problem(c)
+    if problem is not None:
+        raise ValueError(f"cpu_bytes: {problem}")
     if c.disk_bytes < c.chunk_bytes:
         raise ValueError(
             f"disk_bytes: must hold at least one chunk ({c.chunk_bytes}), got {c.disk_bytes}"
@@ -768,6 +804,16 @@ def _codec_for_dtype(name: str, kv_dtype: str) -> str | None:
     from .codec.registry import codec_problem
 
     return codec_problem(name, kv_dtype)
+
+
+def _cpu_bytes_problem(c: PrefetchConfig) -> str | None:
+    """What breaks ``cpu_bytes``'s rule (two chunks of ``chunk_bytes``), or ``None`` where it
+    holds or cannot be judged (``chunk_bytes`` itself invalid, ``cpu_bytes`` not an int)."""
+    chunk, cpu = c.chunk_bytes, c.cpu_bytes
+    valid_chunk = _FIELDS["chunk_bytes"].problem(chunk) is None
+    if not valid_chunk or isinstance(cpu, bool) or not isinstance(cpu, int) or cpu >= 2 * chunk:
+        return None
+    return f"must hold at least two chunks of chunk_bytes ({chunk}), got {cpu}"
 
 
 #: The fields of :class:`PrefetchConfig`, by name, read once at import: a declaration the

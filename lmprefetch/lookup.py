@@ -111,6 +111,9 @@ class LookupCounters(msgspec.Struct, gc=False):
     policy_truncated: int = 0
     policy_skipped: int = 0
     deadline_cut: int = 0
+    #: Lookups for which the load policy ruled a tier out before probing it (no load from it
+    #: could have won: its chunks are recomputed without asking it).
+    policy_unprobed: int = 0
 
 
 class LookupStatistics(LookupCounters, frozen=True, gc=False):  # type: ignore[misc]
@@ -416,6 +419,10 @@ class _Lookups:
             counters.policy_truncated += 1
         else:
             counters.policy_skipped += 1
+
+    def note_unprobed(self) -> None:
+        """The policy ruled out probing a tier for a lookup."""
+        self.counters.policy_unprobed += 1
 
     def note_deadline_cut(self) -> None:
         """The deadline cut a lookup's loads (or a probe that might have found more)."""

@@ -62,11 +62,21 @@ from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
 from .lookup import AnswerCallback, _Lookup, _Lookups
 from .memory import Arena, Buffer
-from .policy import Decides, HitPart, LoadPolicy, LoadRequest, PrefillModel, when_decides
+from .policy import (
+    Decides,
+    HitPart,
+    LoadPolicy,
+    LoadRequest,
+    PrefillModel,
+    TierCost,
+    predict,
+    when_decides,
+)
 from .tiers.base import TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
+from .trace import CalibrationTrace, DecisionTrace, LookupTrace, PartTrace, ProbeTrace
 
-__all__ = ["LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
+__all__ = ["CALIBRATION_CHUNKS", "LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
 
 log = logging.getLogger("lmprefetch.engine")
 
@@ -76,6 +86,8 @@ log = logging.getLogger("lmprefetch.engine")
 LOAD_BATCHES: Final = 8
 #: ... and this many of them in flight at once.
 LOAD_DEPTH: Final = 3
+#: Chunks a background measurement of a tier loads (see :meth:`LookupIO._calibrate`).
+CALIBRATION_CHUNKS: Final = 2
 
 Pairs = list[tuple[ChunkKey, Buffer]]
 
@@ -101,12 +113,20 @@ class _Pins:
 class _Part:
     """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
 
-    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "tier", "zero_copy")
+    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "probe_s", "tier", "zero_copy")
 
     def __init__(
-        self, tier: Tier, keys: list[ChunkKey], n_chunks: int, pins: _Pins, zero_copy: bool
+        self,
+        tier: Tier,
+        keys: list[ChunkKey],
+        n_chunks: int,
+        pins: _Pins,
+        zero_copy: bool,
+        probe_s: float | None = None,
     ):
         self.tier = tier
+        #: How long this lookup's probe of the tier took: the latency of its load's call.
+        self.probe_s = probe_s
         self.keys = keys
         self.n_chunks = n_chunks
         self.pins = pins
@@ -119,6 +139,14 @@ class _Part:
         for buf in tail:
             buf.release()
 
+    def split_off(self, lo: int, hi: int, kpc: int) -> _Part:
+        """Chunks ``[lo, hi)`` (not loaded yet) as a part of their own, which takes their pins
+        over (synchronous: no pin is released or taken)."""
+        keys = self.keys[lo * kpc : hi * kpc]
+        taken = set(keys)
+        self.pins.keys = [k for k in self.pins.keys if k not in taken]
+        return _Part(self.tier, keys, hi - lo, _Pins(self.tier, keys), False, self.probe_s)
+
     def truncate(self, n_chunks: int, kpc: int) -> None:
         """Keep only the first ``n_chunks`` chunks: the rest's pins and buffers are released
         now (synchronous)."""
@@ -129,9 +157,50 @@ class _Part:
         self.loaded = min(self.loaded, n_chunks)
 
 
+def _part_trace(part: HitPart, age_s: float | None) -> PartTrace:
+    cost: TierCost = part.cost
+    return PartTrace(
+        part.tier, part.chunks, part.bytes, part.zero_copy, cost.latency_s, cost.bytes_per_s, age_s
+    )
+
+
 def _release_pairs(pairs: Pairs) -> None:
     for _, buf in pairs:
         buf.release()
+
+
+class _Notes:
+    """What one lookup noted for its trace record (built only while the engine's
+    :class:`~lmprefetch.trace.DecisionTrace` has a subscriber): Trio times from its start."""
+
+    __slots__ = (
+        "calibrating",
+        "decided",
+        "load_ended",
+        "load_started",
+        "not_probed",
+        "parts",
+        "probes",
+        "t0",
+    )
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.probes: list[ProbeTrace] = []
+        self.not_probed: list[str] = []
+        self.calibrating: list[str] = []
+        #: The hit as the policy saw it (or would have: a policy deciding before probing).
+        self.parts: tuple[HitPart, ...] = ()
+        self.decided: float | None = None
+        self.load_started: float | None = None
+        self.load_ended: float | None = None
+
+    def loads_began(self) -> None:
+        if self.load_started is None:
+            self.load_started = trio.current_time()
+
+    def loads_ended(self) -> None:
+        self.load_ended = trio.current_time()
 
 
 class LookupIO:
@@ -150,6 +219,7 @@ class LookupIO:
         prefill: the engine's prefill cost, for the policy.
         lookups: the engine's table of lookups.
         nursery: where lookup tasks run.
+        trace: where each lookup's decision record goes (see :mod:`lmprefetch.trace`).
     """
 
     def __init__(
@@ -165,6 +235,7 @@ class LookupIO:
         prefill: PrefillModel,
         lookups: _Lookups,
         nursery: trio.Nursery,
+        trace: DecisionTrace | None = None,
     ) -> None:
         self._config = config
         self._keys = keys
@@ -182,11 +253,20 @@ class LookupIO:
         #: The load policy, and whether it decides before probing (read once).
         self.policy = policy
         self._decides_first = when_decides(policy) is Decides.BEFORE_PROBING
+        #: The policy's ``worth_probing`` (asked before each tier that is not zero-copy is
+        #: probed), or ``None``.
+        self._worth_probing = (
+            None if self._decides_first else getattr(policy, "worth_probing", None)
+        )
+        #: Background measurements of tiers in flight: their cancel scopes, by tier name.
+        self._calibrations: dict[str, trio.CancelScope] = {}
+        self._calibrated = trio.lowlevel.ParkingLot()
         self._prefill = prefill
         self._lookups = lookups
         self._nursery = nursery
         self._kpc = config.keys_per_chunk
         self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
+        self._trace = trace if trace is not None else DecisionTrace()
         #: Set when the engine closes: new lookups answer 0.
         self.closed = False
 
@@ -205,6 +285,7 @@ class LookupIO:
     ) -> _Lookup:
         """See :meth:`Engine.start_lookup <lmprefetch.prefetch.Engine.start_lookup>`."""
         started = trio.current_time()
+        notes = _Notes(started) if self._trace.enabled else None
         lookups = self._lookups
         old = lookups.by_id.get(lookup_id)
         if old is not None:
@@ -245,10 +326,21 @@ class LookupIO:
             if end == skip_chunks:  # load nothing: probe nothing, hold nothing
                 lookups.note_decision(n_chunks - skip_chunks, 0)
                 rec.end(skipped_tokens)
+                if notes is not None:
+                    cum = [0, *accumulate(offsets)]
+                    self._emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
                 return rec
 
+        ruled_out: frozenset[Tier] = frozenset()
+        if self._worth_probing is not None:
+            ruled_out = self._not_worth_probing(hashes, offsets, skip_chunks, end)
+            if ruled_out:
+                lookups.note_unprobed()
+                if notes is not None:
+                    notes.not_probed.extend(t.name for t, _ in self._probe_order if t in ruled_out)
+
         # -- 2. memory answers: no task ---------------------------------------------------
-        held = self._hits_in_memory(hashes, skip_chunks, end)
+        held = self._hits_in_memory(hashes, skip_chunks, end, ruled_out)
         if held is not None:
             found = keep = len(held) // self._kpc
             if found and not self._decides_first:
@@ -261,11 +353,18 @@ class LookupIO:
                 _release_pairs(held[keep * self._kpc :])
                 del held[keep * self._kpc :]
             lookups.note_decision(found, keep)
+            hit_tokens = skipped_tokens
             if held:
-                hit_tokens = skipped_tokens + sum(offsets[skip_chunks : skip_chunks + keep])
+                hit_tokens += sum(offsets[skip_chunks : skip_chunks + keep])
                 rec.hold(held, hit_tokens, ((self._cpu.name, hit_tokens - skipped_tokens),))
             else:
                 rec.end(skipped_tokens)
+            if notes is not None:
+                if found:
+                    notes.parts = self._hit_parts([(self._cpu, found, True)])
+                    notes.decided = started
+                cum = [0, *accumulate(offsets)]
+                self._emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
             return rec
 
         # -- 3. a task probes and loads ---------------------------------------------------
@@ -275,16 +374,65 @@ class LookupIO:
         cum = [0, *accumulate(offsets)]
         keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
         self._nursery.start_soon(
-            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, tenant,
+            self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, notes, ruled_out,
+            tenant,
             name=f"lookup:{lookup_id}",
         )  # fmt: skip
         return rec
 
-    def _hits_in_memory(self, hashes: Sequence[int], skip_chunks: int, end: int) -> Pairs | None:
+    def _not_worth_probing(
+        self, hashes: Sequence[int], offsets: Sequence[int], skip_chunks: int, end: int
+    ) -> frozenset[Tier]:
+        """The tiers the policy's ``worth_probing`` rules out for this lookup, each asked with
+        the chunks the CPU tier holds (free, found without I/O) and one hypothetical part: the
+        tier holding every further chunk up to ``end``.  A ``worth_probing`` that raises is
+        logged and rules nothing out."""
+        worth_probing = self._worth_probing
+        assert worth_probing is not None
+        cpu, first_key = self._cpu, self._keys.first_key
+        in_cpu = skip_chunks
+        while in_cpu < end and cpu.contains_now(first_key(hashes[in_cpu])):
+            in_cpu += 1
+        rest = end - in_cpu
+        if rest == 0:
+            return frozenset()
+        now = trio.current_time()
+        max_age = self._config.tier_cost_max_age_s
+        chunk_bytes = self._config.chunk_bytes
+        known = self._hit_parts([(cpu, in_cpu - skip_chunks, True)]) if in_cpu > skip_chunks else ()
+        out = []
+        for tier, zero_copy in self._probe_order:
+            if zero_copy:
+                continue
+            cost = tier.stats.cost(now, max_age)
+            request = LoadRequest(
+                parts=(*known, HitPart(tier.name, rest, rest * chunk_bytes, False, cost)),
+                chunk_tokens=tuple(offsets[skip_chunks:end]),
+                computed_tokens=sum(offsets[:skip_chunks]),
+                prompt_tokens=sum(offsets),
+                prefill=self._prefill,
+            )
+            try:
+                worth = bool(worth_probing(request))
+            except Exception:
+                log.exception("load policy %r: worth_probing failed; probing", self.policy)
+                worth = True
+            if not worth:
+                out.append(tier)
+        return frozenset(out)
+
+    def _hits_in_memory(
+        self,
+        hashes: Sequence[int],
+        skip_chunks: int,
+        end: int,
+        ruled_out: frozenset[Tier] = frozenset(),
+    ) -> Pairs | None:
         """The lookup's result when no tier needs I/O to tell, else ``None``.
 
         That is the case when the CPU tier holds every chunk up to ``end``, or holds a prefix
-        that every other tier can rule out going on from (``contains_now`` is ``False``): then
+        that every other tier can rule out going on from (``contains_now`` is ``False``, or the
+        policy ruled the tier out: ``ruled_out``): then
         probing is a dictionary walk and loading is taking owner references, all synchronous.
         Returns the ``(key, buffer)`` pairs of the whole chunks hit (owner references the
         caller now owns), possibly none.
@@ -298,7 +446,7 @@ class LookupIO:
             if not cpu.contains_now(nxt):
                 # Can a tier after the CPU tier go on from here?  (None: it cannot tell.)
                 for tier in self._other_tiers:
-                    if tier.contains_now(nxt) is not False:
+                    if tier not in ruled_out and tier.contains_now(nxt) is not False:
                         return None
                 break
             firsts.append(nxt)
@@ -322,16 +470,19 @@ class LookupIO:
         cum: list[int],
         skip_chunks: int,
         deadline: float,
+        notes: _Notes | None,
+        ruled_out: frozenset[Tier],
         tenant: bytes,
     ) -> None:
         """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
         until the contiguous prefix moves to the record."""
         chunks = 0  # what a lookup that fails or is cancelled answers
+        found = keep = 0
         try:
             with scope, ExitStack() as owned:
                 try:
-                    total, loaded, sources = await self._probe_and_load(
-                        keys, cum, skip_chunks, deadline, owned, tenant
+                    total, loaded, sources, found, keep = await self._probe_and_load(
+                        keys, cum, skip_chunks, deadline, owned, notes, ruled_out, tenant
                     )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
@@ -347,6 +498,8 @@ class LookupIO:
             # Whatever the task took is released by now: a lookup that holds nothing
             # answers here (0 once cancelled); one that holds answered above.
             rec.end(cum[chunks])
+            if notes is not None:
+                self._emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
 
     async def _probe_and_load(
         self,
@@ -355,11 +508,13 @@ class LookupIO:
         skip_chunks: int,
         deadline: float,
         owned: ExitStack,
+        notes: _Notes | None = None,
+        ruled_out: frozenset[Tier] = frozenset(),
         tenant: bytes = b"",
-    ) -> tuple[int, Pairs, tuple[tuple[str, int], ...]]:
+    ) -> tuple[int, Pairs, tuple[tuple[str, int], ...], int, int]:
         """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
-        ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), and the
-        tokens each tier served.
+        ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), the
+        tokens each tier served, and the chunks found and chosen (past ``skip_chunks``).
 
         A policy that decided before probing has bounded ``keys`` already: each tier's load
         starts as soon as its probe answers.  Any other policy decides once every tier was
@@ -380,11 +535,14 @@ class LookupIO:
                 part.release_buffers()
 
         tier_timeout = self._config.tier_timeout_s
+        chosen = 0  # the hit chunks the policy chose (past skip_chunks), once it decided
         with trio.move_on_at(deadline) as budget:
             async with trio.open_nursery() as loads:
                 for tier, zero_copy in self._probe_order:
                     if next_chunk >= n_chunks:
                         break  # everything hit: stop probing early
+                    if tier in ruled_out:
+                        continue  # the policy: no load from it could win
                     remaining = keys[next_chunk * kpc :]
                     probe_t0 = trio.current_time()
                     try:
@@ -401,15 +559,18 @@ class LookupIO:
                         tier.stats.errors += 1
                         break
                     # No checkpoint from here until the part is registered.
-                    tier.stats.observe_probe(trio.current_time() - probe_t0)
+                    probe_s = trio.current_time() - probe_t0
+                    tier.stats.observe_probe(probe_s)
                     raw = max(0, min(raw, len(remaining)))
+                    if notes is not None:
+                        notes.probes.append(ProbeTrace(tier.name, probe_s, raw // kpc))
                     pins = _Pins(tier, remaining[:raw])
                     owned.callback(pins.release)
                     hit = raw // kpc
                     pins.release_from(hit * kpc)  # round down to whole chunks
                     if hit == 0:
                         continue  # the next tier gets the same keys
-                    part = _Part(tier, remaining[: hit * kpc], hit, pins, zero_copy)
+                    part = _Part(tier, remaining[: hit * kpc], hit, pins, zero_copy, probe_s)
                     parts.append(part)
                     next_chunk += hit
                     if zero_copy:
@@ -421,11 +582,16 @@ class LookupIO:
                         part.release_buffers(part.loaded * kpc)
                         part.pins.release()
                     elif load_at_once:
-                        loads.start_soon(self._load_part, part, tenant)
+                        loads.start_soon(self._load_part, part, notes, tenant)
                 # No checkpoint from the last probe to the loads' start: the policy decides,
                 # and what it drops is released now.
                 found = next_chunk - skip_chunks
                 keep = found
+                if notes is not None and found:
+                    notes.parts = self._hit_parts(
+                        [(p.tier, p.n_chunks, p.zero_copy) for p in parts]
+                    )
+                    notes.decided = trio.current_time()
                 if found and not load_at_once:
                     keep = self._decide(
                         [(p.tier, p.n_chunks, p.zero_copy) for p in parts],
@@ -434,12 +600,20 @@ class LookupIO:
                         cum[-1],
                     )
                     for part in parts:
-                        part.truncate(min(part.n_chunks, keep), kpc)
+                        mine = max(0, min(part.n_chunks, keep))
+                        if mine < part.n_chunks and self._needs_measuring(part):
+                            # Chunks of a tier not measured (lately) go: measure it with some.
+                            hi = min(part.n_chunks, mine + CALIBRATION_CHUNKS)
+                            self._calibrate_soon(part.split_off(mine, hi, kpc), tenant)
+                            if notes is not None:
+                                notes.calibrating.append(part.tier.name)
+                        part.truncate(mine, kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
-                            loads.start_soon(self._load_part, part, tenant)
+                            loads.start_soon(self._load_part, part, notes, tenant)
                     keep = sum(p.n_chunks for p in parts)
                 self._lookups.note_decision(found, keep)
+                chosen = keep
         # -- 4. keep the contiguous prefix; release everything past the first hole ----------
         total = skip_chunks
         kept: Pairs = []
@@ -460,7 +634,7 @@ class LookupIO:
         if budget.cancelled_caught and (hole or next_chunk < n_chunks):
             # The deadline cut a load, or a probe that might have found more.
             self._lookups.note_deadline_cut()
-        return total, kept, tuple(sources)
+        return total, kept, tuple(sources), next_chunk - skip_chunks, chosen
 
     # -- the policy ---------------------------------------------------------------------
     def _decide(
@@ -473,16 +647,89 @@ class LookupIO:
         """How many of the hit chunks (``parts``: tier, chunks, zero-copy, in prefix order;
         ``chunk_tokens``: the tokens of each) to load, asked of a policy that decides after
         probing.  Synchronous, so no pin or buffer changes hands while it runs."""
-        chunk_bytes = self._config.chunk_bytes
         return self._ask_policy(
             LoadRequest(
-                parts=tuple(
-                    HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost()) for t, n, zc in parts
-                ),
+                parts=self._hit_parts(parts),
                 chunk_tokens=tuple(chunk_tokens),
                 computed_tokens=computed_tokens,
                 prompt_tokens=prompt_tokens,
                 prefill=self._prefill,
+            )
+        )
+
+    def _hit_parts(self, parts: Sequence[tuple[Tier, int, bool]]) -> tuple[HitPart, ...]:
+        """The hit as a policy sees it: each tier's chunks, their bytes and the tier's cost."""
+        chunk_bytes = self._config.chunk_bytes
+        now, max_age = trio.current_time(), self._config.tier_cost_max_age_s
+        return tuple(
+            HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost(now, max_age))
+            for t, n, zc in parts
+        )
+
+    def _emit(
+        self,
+        notes: _Notes,
+        lookup_id: str,
+        cum: Sequence[int],
+        skip_chunks: int,
+        found: int,
+        keep: int,
+        answer: int | None,
+    ) -> None:
+        """The lookup's trace record (see :class:`~lmprefetch.trace.LookupTrace`)."""
+        t0 = notes.t0
+        computed = cum[skip_chunks]
+        request = LoadRequest(
+            parts=notes.parts,
+            chunk_tokens=tuple(
+                cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)
+            ),
+            computed_tokens=computed,
+            prompt_tokens=cum[-1],
+            prefill=self._prefill,
+        )
+        load_s, recompute_s = predict(request, keep) if found else (None, None)
+        load_all_s = predict(request, found)[0] if found else None
+        recompute_all_s = predict(request, 0)[1] if found else None
+        coefficients, source = self._prefill.state()
+        by_name = {t.name: t for t, _ in self._probe_order}
+        decision = (
+            "miss" if not found else
+            "loaded" if keep >= found else "truncated" if keep else "skipped"
+        )  # fmt: skip
+        load = None
+        if notes.load_started is not None and notes.load_ended is not None:
+            load = notes.load_ended - notes.load_started
+        self._trace.emit(
+            LookupTrace(
+                rank=self._trace.rank,
+                lookup_id=lookup_id,
+                wall=self._trace.wall() - (trio.current_time() - t0),
+                policy=type(self.policy).__name__,
+                prompt_tokens=cum[-1],
+                computed_tokens=computed,
+                hit_chunks=found,
+                hit_tokens=cum[skip_chunks + found] - computed,
+                kept_chunks=keep,
+                kept_tokens=cum[skip_chunks + keep] - computed,
+                decision=decision,
+                parts=tuple(
+                    _part_trace(p, by_name[p.tier].stats.throughput_age_s(t0)) for p in notes.parts
+                ),
+                probes=tuple(notes.probes),
+                prefill_a=None if coefficients is None else coefficients[0],
+                prefill_b=None if coefficients is None else coefficients[1],
+                prefill_source=source,
+                predicted_load_s=load_s,
+                predicted_recompute_s=recompute_s,
+                predicted_load_all_s=load_all_s,
+                predicted_recompute_all_s=recompute_all_s,
+                decided_s=None if notes.decided is None else notes.decided - t0,
+                load_s=load,
+                answered_s=trio.current_time() - t0,
+                answer_tokens=answer if answer is not None else 0,
+                not_probed=tuple(notes.not_probed),
+                calibrating=tuple(notes.calibrating),
             )
         )
 
@@ -505,8 +752,79 @@ class LookupIO:
             )  # fmt: skip
         return keep
 
+    # -- measuring a tier in the background ------------------------------------------------
+    def _needs_measuring(self, part: _Part) -> bool:
+        """Whether dropped chunks of ``part`` should measure its tier: not zero-copy, its
+        throughput never measured or older than ``tier_cost_max_age_s``, and no measurement
+        of it in flight."""
+        if part.zero_copy or part.tier.name in self._calibrations or self.closed:
+            return False
+        stats = part.tier.stats
+        if stats.load_bytes_per_s_ewma is None:
+            return True
+        age = stats.throughput_age_s(trio.current_time())
+        return age is not None and age > self._config.tier_cost_max_age_s
+
+    def _calibrate_soon(self, part: _Part, tenant: bytes) -> None:
+        """Start measuring ``part``'s tier by loading ``part`` (which owns its pins) in the
+        background, as ``tenant`` (the lookup's: a sealed tier opens its chunks with that
+        tenant's key); synchronous, so the task owns the part from here on."""
+        scope = trio.CancelScope()
+        self._calibrations[part.tier.name] = scope
+        self._nursery.start_soon(
+            self._calibrate, part, scope, tenant, name=f"calibrate:{part.tier.name}"
+        )
+
+    async def _calibrate(self, part: _Part, scope: trio.CancelScope, tenant: bytes) -> None:
+        """Load ``part`` into arena buffers under the limiter, as a lookup's load (its time
+        measures the tier's throughput: :meth:`_load_batches`), then release everything.
+        Cancelled when the engine closes."""
+        tier = part.tier
+        t0 = trio.current_time()
+        try:
+            with scope:
+                await self._load_part(part, None, tenant)
+        finally:
+            loaded = part.loaded
+            n_bytes = sum(len(buf.view()) for buf in part.buffers[: loaded * self._kpc])
+            part.release_buffers()
+            part.pins.release()
+            del self._calibrations[tier.name]
+            self._calibrated.unpark_all()
+            if loaded:
+                tier.stats.calibrations += 1
+            if self._trace.enabled:
+                seconds = trio.current_time() - t0
+                self._trace.emit(
+                    CalibrationTrace(
+                        self._trace.rank, self._trace.wall() - seconds, tier.name, loaded,
+                        n_bytes, seconds, tier.stats.load_bytes_per_s_ewma,
+                    )
+                )  # fmt: skip
+
+    @property
+    def calibrating(self) -> int:
+        """Background measurements of tiers in flight."""
+        return len(self._calibrations)
+
+    async def wait_calibrated(self) -> None:
+        """Wait until no background measurement is in flight (a checkpoint either way)."""
+        if not self._calibrations:
+            await trio.lowlevel.checkpoint()
+            return
+        while self._calibrations:
+            await self._calibrated.park()
+
+    def close(self) -> None:
+        """New lookups answer 0; background measurements are cancelled."""
+        self.closed = True
+        for scope in self._calibrations.values():
+            scope.cancel()
+
     # -- loading one tier's part ----------------------------------------------------------
-    async def _load_part(self, part: _Part, tenant: bytes = b"") -> None:
+    async def _load_part(
+        self, part: _Part, notes: _Notes | None = None, tenant: bytes = b""
+    ) -> None:
         """Load one tier's hit chunks into new arena buffers, under the limiter (``tenant``:
         the lookup's, for a tier that seals per tenant).
 
@@ -514,6 +832,8 @@ class LookupIO:
         from anything else here is a bug in lmprefetch and fails the lookup, loudly.
         """
         kpc = self._kpc
+        if notes is not None:
+            notes.loads_began()
         try:
             async with self._limiter.hold(part.n_chunks) as granted:
                 want = granted * kpc
@@ -526,6 +846,8 @@ class LookupIO:
                     part.release_buffers(part.loaded * kpc)
         finally:
             part.pins.release()
+            if notes is not None:
+                notes.loads_ended()
 
     async def _load_batches(self, part: _Part, chunks: int, tenant: bytes = b"") -> None:
         """Load a part's first ``chunks`` chunks (their buffers allocated) in order, in up to
@@ -586,7 +908,8 @@ class LookupIO:
         finally:
             if part.loaded:
                 n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
-                tier.stats.observe_load(n_bytes, trio.current_time() - t0)
+                now = trio.current_time()
+                tier.stats.observe_load(n_bytes, now - t0, now, part.probe_s)
 
     async def _tier_load(
         self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], tenant: bytes = b""

@@ -115,6 +115,7 @@ _DECISIONS = {
     "loaded": "policy_loaded",
     "truncated": "policy_truncated",
     "skipped": "policy_skipped",
+    "unprobed": "policy_unprobed",
     "deadline_cut": "deadline_cut",
 }
 #: Per-tier cost estimates (gauges; absent until measured).

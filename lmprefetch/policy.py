@@ -43,6 +43,7 @@ from __future__ import annotations
 import enum
 import importlib
 import threading
+from collections import deque
 from typing import Final, Protocol, runtime_checkable
 
 import msgspec
@@ -61,6 +62,7 @@ __all__ = [
     "PrefillModel",
     "TierCost",
     "make_policy",
+    "predict",
     "when_decides",
 ]
 
@@ -70,29 +72,45 @@ BUILTIN_POLICIES: Final = LOAD_POLICIES
 EWMA_ALPHA: Final = 0.2
 #: Steps the prefill model needs before it is trusted.
 MIN_PREFILL_SAMPLES: Final = 3
+#: The steps of one size the prefill model keeps (its point is their median).
+BUCKET_STEPS: Final = 5
 
 
 class TierCost(msgspec.Struct, frozen=True, gc=False):
     """What one tier's loads have cost lately (moving averages; ``None``: not measured yet).
 
     ``latency_s`` is the time of a call that moves no payload (a probe); ``bytes_per_s`` is
-    payload bytes over the rest of a load's time, less its decoding; ``decode_bytes_per_s``
-    is payload bytes over the time the tier's codec stage took to decode them (``None`` for a
-    tier that stores payloads as they are)."""
+    payload bytes over the rest of a load's time, less its decoding.  ``stale``: the
+    throughput was measured longer ago than ``tier_cost_max_age_s`` (or never); the engine
+    measures it again in the background when a policy drops the tier's chunks.
+
+    ``decode_bytes_per_s`` is the rate at which the payload is decoded once it has arrived
+    (a tier that stores chunks encoded: a codec), ``None`` for a tier that stores them as
+    they are; :meth:`seconds` and :meth:`decode_seconds` count it, so a policy that prices a
+    load with them prices the decoding too."""
 
     latency_s: float | None = None
     bytes_per_s: float | None = None
+    stale: bool = False
     decode_bytes_per_s: float | None = None
 
+    @property
+    def measured(self) -> bool:
+        """Whether the tier's throughput has been measured (its latency is, by every probe)."""
+        return self.bytes_per_s is not None
+
     def seconds(self, n_bytes: int) -> float:
-        """Expected seconds of one load call of ``n_bytes`` payload bytes (0 for what is not
-        measured): the call's latency, the transfer and the decoding."""
+        """Expected seconds of one load call of ``n_bytes``, its decoding included (0 for what
+        is not measured)."""
         t = self.latency_s or 0.0
         if self.bytes_per_s:
             t += n_bytes / self.bytes_per_s
-        if self.decode_bytes_per_s:
-            t += n_bytes / self.decode_bytes_per_s
-        return t
+        return t + self.decode_seconds(n_bytes)
+
+    def decode_seconds(self, n_bytes: int) -> float:
+        """Expected seconds to decode ``n_bytes`` of payload (0 for a tier that does not
+        encode, so a zero-copy tier's hit costs this alone)."""
+        return n_bytes / self.decode_bytes_per_s if self.decode_bytes_per_s else 0.0
 
 
 class HitPart(msgspec.Struct, frozen=True, gc=False):
@@ -185,15 +203,57 @@ class NeverLoad:
 
 
 class CostPolicy:
-    """The prefix with the lowest expected time to first token (see the module docstring)."""
+    """The prefix with the lowest expected time to first token (see the module docstring).
+
+    Beyond the cost model itself:
+
+    * **A tier is measured before it is trusted.**  Chunks on a tier whose throughput has not
+      been measured yet count as too dear to load (unless the prefill cost is unknown too:
+      then the whole hit is loaded, as ``always`` does); the engine measures the tier in the
+      background from the chunks dropped (see ``docs/policy.md``).
+    * **Hysteresis.**  Once the policy loaded a tier's chunks, recomputing them must win by
+      :attr:`hysteresis` (a fraction of the load's cost) before it stops loading from that
+      tier, and once it skipped them, loading must win by as much before it loads again: two
+      costs within a few percent of each other do not flip the decision back and forth with
+      every small change of the estimates.
+    * **No probe where no load can win** (:meth:`worth_probing`): a tier so slow that even
+      the dearest run of the prompt's chunks is cheaper to recompute is not probed, so the
+      lookup does not wait for its round trip.
+    """
 
     decides = Decides.AFTER_PROBING
+    #: How much the other choice must win by before the policy changes its mind about a tier.
+    hysteresis: float = 0.15
+
+    def __init__(self) -> None:
+        #: Per tier: whether the last decision that saw its chunks loaded any of them.
+        self._loaded: dict[str, bool] = {}
+
+    def _factor(self, tier: str) -> float:
+        """The weight of a tier's load cost: below 1 while the policy loads from it, above 1
+        while it recomputes instead (see :attr:`hysteresis`)."""
+        loaded = self._loaded.get(tier)
+        if loaded is None:
+            return 1.0
+        return 1.0 - self.hysteresis if loaded else 1.0 + self.hysteresis
 
     def chunks_to_load(self, request: LoadRequest) -> int:
         n = request.hit_chunks
         coefficients = request.prefill.coefficients()  # one read: the model may move meanwhile
         if n == 0 or coefficients is None:
             return n
+        best_k = self._best(request, coefficients)
+        # Remember, per measured tier that held chunks, whether any of them is loaded.
+        first = 0
+        for part in request.parts:
+            if not part.zero_copy and part.cost.measured:
+                self._loaded[part.tier] = best_k > first
+            first += part.chunks
+        return best_k
+
+    def _best(self, request: LoadRequest, coefficients: tuple[float, float]) -> int:
+        """The ``k`` that minimises ``load(k) − prefill(k)`` (ties: the longer prefix), a
+        tier's load weighted by :meth:`_factor`; nothing from a tier not measured."""
         a, b = coefficients
         best_k, best = 0, 0.0  # load nothing: cost 0 relative to recomputing all
         slowest = 0.0  # the load time of the chunks taken so far (the tiers load side by side)
@@ -201,33 +261,103 @@ class CostPolicy:
         start = request.computed_tokens
         end = start
         for part in request.parts:
+            if not part.zero_copy and not part.cost.measured:
+                break  # not measured yet: not trusted; nothing from here on is loaded
             per_chunk = part.bytes / part.chunks if part.chunks else 0.0
+            factor = 1.0 if part.zero_copy else self._factor(part.tier)
             for j in range(1, part.chunks + 1):
                 end += request.chunk_tokens[k]
                 k += 1
-                if not part.zero_copy:
-                    slowest = max(slowest, part.cost.seconds(int(per_chunk * j)))
+                n_bytes = int(per_chunk * j)
+                if part.zero_copy:
+                    slowest = max(slowest, part.cost.decode_seconds(n_bytes))
+                else:
+                    slowest = max(slowest, factor * part.cost.seconds(n_bytes))
                 gain = slowest - (a * (end - start) + b * (end * end - start * start))
                 if gain <= best:
                     best_k, best = k, gain
         return best_k
 
+    def worth_probing(self, request: LoadRequest) -> bool:
+        """Whether probing a tier could lead to loading from it.  ``request.parts`` is the hit
+        as far as it is known without I/O (the chunks the CPU tier holds, free), then one
+        hypothetical part: the tier asked about, holding every further chunk the lookup could
+        hit.
+
+        ``True`` when that tier is zero-copy, not measured (or measured long ago: a probe,
+        and the measurement that may follow, keep its cost current), when the prefill cost is
+        not known, or when the best prefix of the hypothetical hit takes some of the tier's
+        chunks (a shorter part of it is among the prefixes weighed); ``False`` otherwise: the
+        lookup then answers without waiting for the tier's round trip."""
+        coefficients = request.prefill.coefficients()
+        if coefficients is None or not request.parts:
+            return True
+        part = request.parts[-1]
+        cost = part.cost
+        if part.zero_copy or not cost.measured or cost.stale:
+            return True
+        before = request.hit_chunks - part.chunks
+        return self._best(request, coefficients) > before
+
+
+def predict(request: LoadRequest, keep: int) -> tuple[float | None, float | None]:
+    """What the engine's cost model expects of loading the first ``keep`` hit chunks and
+    recomputing the rest of the hit: ``(load seconds, recompute seconds)``.
+
+    Loading costs the slowest of the tiers holding any of the first ``keep`` chunks (they
+    load side by side; a zero-copy tier costs nothing); ``None`` when one of them has not
+    been measured yet.  Recomputing chunks ``keep`` to the end of the hit costs
+    ``request.prefill.seconds``; ``None`` while the prefill model is not calibrated.  Every
+    policy's decision is recorded with these (:mod:`lmprefetch.trace`), whatever it used.
+    """
+    load: float | None = 0.0
+    left = keep
+    for part in request.parts:
+        if left <= 0:
+            break
+        take = min(left, part.chunks)
+        left -= take
+        if part.zero_copy or load is None:
+            continue
+        if part.cost.bytes_per_s is None:
+            load = None
+            continue
+        per_chunk = part.bytes / part.chunks if part.chunks else 0.0
+        load = max(load, part.cost.seconds(int(per_chunk * take)))
+    recompute: float | None = None
+    coefficients = request.prefill.coefficients()
+    if coefficients is not None:
+        start = request.computed_tokens + sum(request.chunk_tokens[:keep])
+        end = request.computed_tokens + sum(request.chunk_tokens)
+        a, b = coefficients
+        recompute = a * (end - start) + b * (end * end - start * start) if end > start else 0.0
+    return load, recompute
+
 
 class _StepBucket:
-    """Moving averages of the steps of one size (see :class:`PrefillModel`)."""
+    """The last steps of one size (see :class:`PrefillModel`): its point is a low quantile of
+    the last :data:`BUCKET_STEPS` by time (the fastest of up to four, the second fastest of
+    five), so that a slow step (the first of its size after a start, a step that shared the
+    machine with another process) does not move the fit, and a lasting change does within a
+    few steps.
 
-    __slots__ = ("q", "samples", "t", "y")
+    Low, not central: a step is only ever slowed down by what it shares the machine with, and
+    the estimate must not err towards dear recomputing.  A policy that believes recomputing is
+    dearer than it is loads instead, and so never computes a step of that size again to learn
+    otherwise; one that believes it cheaper recomputes, and the steps it computes correct the
+    estimate."""
+
+    __slots__ = ("steps",)
 
     def __init__(self) -> None:
-        self.samples = 0
-        self.t = self.q = self.y = 0.0
+        self.steps: deque[tuple[float, float, float]] = deque(maxlen=BUCKET_STEPS)
 
     def add(self, t: float, q: float, y: float) -> None:
-        w = 1.0 if self.samples == 0 else EWMA_ALPHA
-        self.t += w * (t - self.t)
-        self.q += w * (q - self.q)
-        self.y += w * (y - self.y)
-        self.samples += 1
+        self.steps.append((t, q, y))
+
+    def point(self) -> tuple[float, float, float]:
+        ordered = sorted(self.steps, key=lambda step: step[2])
+        return ordered[(len(ordered) - 1) // 4]
 
 
 class PrefillModel:
@@ -281,14 +411,31 @@ class PrefillModel:
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token and per unit of attention work (the measured ones,
         else the configured rate's), or ``None`` when not calibrated.  Any thread."""
-        with self._lock:
-            points = [(b.t, b.q, b.y) for b in self._buckets.values()]
-            samples = self._samples
-        fitted = _fit(points) if samples >= MIN_PREFILL_SAMPLES else None
+        return self.state()[0]
+
+    def state(self) -> tuple[tuple[float, float] | None, str | None]:
+        """``(coefficients(), where they come from)``: ``"measured"`` (fitted from the
+        steps), ``"configured"`` (``configured_tokens_per_s``) or ``None`` (not calibrated)."""
+        fitted = self._fitted()
         if fitted is not None:
-            return fitted
+            return fitted[1:], "measured"
         rate = self.configured_tokens_per_s
-        return None if rate is None else (1.0 / rate, 0.0)
+        return (None, None) if rate is None else ((1.0 / rate, 0.0), "configured")
+
+    def _fitted(self) -> tuple[float, float, float] | None:
+        with self._lock:
+            points = [b.point() for b in self._buckets.values()]
+            samples = self._samples
+        return _fit(points) if samples >= MIN_PREFILL_SAMPLES else None
+
+    def step_seconds(self, tokens: int, attention: int) -> float | None:
+        """The seconds the fit expects of one step of ``tokens`` tokens and ``attention``
+        work, its fixed overhead included (``None`` until the steps were fitted)."""
+        fitted = self._fitted()
+        if fitted is None:
+            return None
+        c, a, b = fitted
+        return c + a * tokens + b * attention
 
     def tokens_per_s(self) -> float | None:
         """The per-token rate (``1 / a``: measured, else configured), or ``None``."""
@@ -308,8 +455,9 @@ class PrefillModel:
         return a * (end - start) + b * (end * end - start * start)
 
 
-def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Least squares of ``y = c + a·T + b·Q`` over ``(T, Q, y)`` points, one per bucket."""
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """Least squares of ``y = c + a·T + b·Q`` over ``(T, Q, y)`` points, one per bucket:
+    ``(c, a, b)``."""
     n = len(points)
     if n < 2:
         return None
@@ -328,9 +476,9 @@ def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None
         a = (cty * vq - cqy * ctq) / det
         b = (cqy * vt - cty * ctq) / det
         if a > 0 and b >= 0:
-            return a, b
+            return my - a * mt - b * mq, a, b
     a = cty / vt
-    return (a, 0.0) if a > 0 else None
+    return (my - a * mt, a, 0.0) if a > 0 else None
 
 
 def when_decides(policy: LoadPolicy) -> Decides:

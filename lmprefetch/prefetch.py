@@ -38,6 +38,7 @@ from .policy import LoadPolicy, PrefillModel, make_policy
 from .store import ChunkStore, StoreStatistics
 from .tiers.base import Tier, TierStatistics, WriteBehindTier
 from .tiers.cpu import CpuTier
+from .trace import DecisionTrace
 
 __all__ = ["Engine", "EngineStatistics", "LookupState"]
 
@@ -145,6 +146,9 @@ class Engine:
         self._lookups = _Lookups(config.claim_ttl_s)
         #: The engine's prefill cost, fed by whoever sees its model steps (the vLLM worker).
         self.prefill = PrefillModel(config.prefill_tokens_per_s)
+        #: Where each lookup's decision record goes (``decision_log``, or a subscriber; see
+        #: :mod:`lmprefetch.trace`).
+        self.trace = DecisionTrace(rank)
         self._io = LookupIO(
             config,
             keys=self.keys,
@@ -156,6 +160,7 @@ class Engine:
             prefill=self.prefill,
             lookups=self._lookups,
             nursery=nursery,
+            trace=self.trace,
         )
         self._expiry_scope = trio.CancelScope()
         nursery.start_soon(self._expire_held, name="lmprefetch-expiry")
@@ -335,6 +340,7 @@ class Engine:
             "policy_loaded": c.policy_loaded,
             "policy_truncated": c.policy_truncated,
             "policy_skipped": c.policy_skipped,
+            "policy_unprobed": c.policy_unprobed,
             "deadline_cut": c.deadline_cut,
         }
 
@@ -436,6 +442,9 @@ class Engine:
         nothing (no pin, no limiter weight, no buffer but those claimers hold).  Always a
         checkpoint."""
         await self._lookups.wait_quiet()
+        while self._io.calibrating:  # background measurements of tiers own loads too
+            await self._io.wait_calibrated()
+            await self._lookups.wait_quiet()
 
     def is_idle(self) -> bool:
         """Nothing in flight or held, and the conservation invariant holds: no pin, no limiter
@@ -444,6 +453,7 @@ class Engine:
         return bool(
             lookups.inflight == 0
             and lookups.held == 0
+            and self._io.calibrating == 0
             and all(t.pinned_count() == 0 for t in self.tiers)
             and self.limiter.used == 0
             and self.arena.used_bytes == self.cpu.resident_bytes
@@ -456,6 +466,6 @@ class Engine:
     def _close(self) -> None:
         """Start closing (synchronous): cancel every lookup (held results are released at
         once) and stop the expiry task; new lookups answer 0."""
-        self._io.closed = True
+        self._io.close()
         self._lookups.cancel_all()
         self._expiry_scope.cancel()

@@ -29,6 +29,7 @@ from .policy import make_policy
 from .prefetch import Engine
 from .tiers.base import Tier
 from .tiers.cpu import CpuTier
+from .trace import decision_log_path, open_decision_log
 
 __all__ = ["open_engine"]
 
@@ -82,6 +83,9 @@ async def open_engine(
     _check_extras(config)
     stages = _codec_stages(config)
     policy = make_policy(config.load_policy)  # a custom policy is imported here
+    log_path = None
+    if config.decision_log is not None:
+        log_path = await decision_log_path(config.decision_log, rank)  # ValueError if unusable
     try:
         arena = Arena(config.slot_bytes, config.arena_slots, backend=config.buffer_backend)
     except (MemoryError, OSError) as exc:
@@ -109,7 +113,11 @@ async def open_engine(
                     policy=policy,
                 )
                 try:
-                    yield engine
+                    if log_path is None:
+                        yield engine
+                    else:
+                        async with open_decision_log(engine.trace, log_path, nursery):
+                            yield engine
                 finally:
                     engine._close()
     finally:
@@ -143,6 +151,14 @@ def _check_extras(config: PrefetchConfig) -> None:
             raise ValueError(
                 "redis_url: the Redis tier needs the redis extra: "
                 "python -m pip install 'lmprefetch[redis]'"
+            ) from None
+    if config.buffer_backend == "torch":
+        try:
+            import torch  # noqa: F401  (the arena imports it again: no second cost)
+        except ImportError:
+            raise ValueError(
+                'buffer_backend: "torch" needs the torch extra: '
+                "python -m pip install 'lmprefetch[torch]'"
             ) from None
     if config.mooncake_master is not None:
         from .tiers.mooncake_store import check_installed

@@ -46,6 +46,32 @@ def layer_parts(data: list[bytes], kpc: int) -> list[bytes]:
     return out
 
 
+#: The load-policy tests' chunks: tokens and payload bytes per chunk.
+POLICY_CS = 64
+POLICY_PAYLOAD = 64 * 1024
+
+
+def policy_config(**changes: object) -> PrefetchConfig:
+    """The load-policy tests' engine: 64-token, 64 KiB chunks, room for 64 of them."""
+    base = PrefetchConfig(
+        chunk_size=POLICY_CS,
+        chunk_bytes=POLICY_PAYLOAD,
+        cpu_bytes=POLICY_PAYLOAD * 64,
+        arena_prefault_bytes=0,
+        lookup_timeout_s=30.0,
+        tier_timeout_s=10.0,
+    )
+    return base.replace(**changes)
+
+
+def policy_prompt(n_chunks: int, salt: int) -> list[int]:
+    return [salt * 1_000_000 + i for i in range(n_chunks * POLICY_CS)]
+
+
+def policy_data(n_chunks: int, salt: int) -> list[bytes]:
+    return [bytes([(salt + i) % 251]) * POLICY_PAYLOAD for i in range(n_chunks)]
+
+
 def assert_conserved(engine: Engine, *, faults: bool = False) -> None:
     """The conservation invariant (nothing in flight or held, no pin, no limiter weight, no
     arena byte outside the CPU tier), and, unless the test injected ``faults``, no failed

@@ -49,6 +49,7 @@ replay may take another path.  The checks hold on every path either way.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -708,6 +709,9 @@ class _DiskTemplates:
     def __init__(self) -> None:
         self._root = Path(tempfile.mkdtemp(prefix="lmprefetch-schedules-"))
         self._made: dict[str, Path] = {}
+        # One set of templates per process, kept for its whole life: removed as it exits
+        # (the suite left one directory in the system's temporary directory per run).
+        atexit.register(self.close)
 
     def get(self, scenario: Scenario) -> Path:
         if scenario.name not in self._made:
@@ -746,7 +750,7 @@ def _quiet_logs() -> Iterator[None]:
     print them (a lookup that failed is still caught: ``lookups_failed`` is checked)."""
     logger = logging.getLogger("lmprefetch")
     level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    logger.setLevel(logging.DEBUG if os.environ.get("LMPF_SCHEDULE_LOGS") else logging.CRITICAL)
     try:
         yield
     finally:

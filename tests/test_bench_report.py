@@ -3,15 +3,18 @@ baseline, and no peer figure appears unless it was measured in the same run."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from lmprefetch.bench import engine as bench_engine
 from lmprefetch.bench.goals import Goal, Limit
-from lmprefetch.bench.report import format_report, goals, throughput_bars
+from lmprefetch.bench.report import format_report, goals, throughput_bars, wrap
 
 
 def test_goal_at_most_and_at_least() -> None:
@@ -149,6 +152,34 @@ def test_bench_marks_each_missed_figure() -> None:
     # The p99 of the thread hops took 2 ms: a 1 ms p99 release cannot be had here.
     assert cancel.startswith("↳ out of reach on this machine") and "2.00ms" in cancel
     assert "load average 0.5 on 2 CPUs before the run, 1.0–3.5 during it" in text
+
+
+def test_the_report_says_what_a_missed_goal_means_and_fits_100_columns() -> None:
+    """``lmprefetch bench`` exited 0 under four ``✗ MISSED`` with no word on what that means,
+    and one of its lines was about 260 characters long."""
+    r = _system_result(
+        # Long figures make long lines: every one is wrapped under its own indentation.
+        miss_rtt_us=123456.789, raw_rtt_us=98765.4321, trio_echo_rtt_us=87654.321,
+        worker_rtt_us=76543.21, miss_rtt_woken_us=123456.789, first_lookup_us=1234567.89,
+        raw_rtt_first_us=7654321.0,
+    )  # fmt: skip
+    text = format_report(r)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    # The breakdown line (once ~260 columns) is all there, wrapped.
+    joined = " ".join(line.strip() for line in lines)
+    assert "through LookupClient 123456.8 µs (a thread blocked in wait() wakes after" in joined
+    summary = joined[joined.index("3 of 7 goals missed."):]
+    assert "a missed goal is not an error" in summary
+    assert "docs/benchmarks.md" in summary
+    assert "goals missed" not in format_report(_system_result(
+        miss_rtt_ratio=1.0, disk_probe={**r["disk_probe"], "vs_verified_read": 1.0},
+        cancel_release_ms_p99=0.5,
+    ))  # fmt: skip
+    assert wrap("  " + "word " * 40) == [
+        line for line in wrap("  " + "word " * 40) if len(line) <= 100
+    ]
+    assert wrap("") == [""] and wrap("  short") == ["  short"]
 
 
 def _why_lines(lines: list[str]) -> dict[str, str]:
@@ -322,3 +353,39 @@ def test_the_disk_figure_is_the_median_of_the_rounds_ratios() -> None:
     assert summarize_disk_probe([{}, {}]) == {}  # no disk tier: no figure
     r = _system_result(disk_probe={})
     assert math.isnan(next(g for g in goals(r) if g.key == "disk_prefetch_vs_verified_read").value)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_moves_through_every_phase_and_is_erased() -> None:
+    """It sat at "start 100 %" for seconds while the run went on: one bar for the whole run,
+    each phase its share, each step moving it; erased at the end whatever the end."""
+    from lmprefetch.bench.measure import Progress
+    from lmprefetch.bench.system import PHASES
+
+    out = _Terminal()
+    seen = []
+    with Progress(PHASES, enabled=True, stream=out) as progress:
+        for name in PHASES:
+            progress.phase(name, f"phase {name}", steps=4)
+            seen.append(progress.fraction)
+            for _ in range(4):
+                progress.step()
+                seen.append(progress.fraction)
+        assert progress.fraction == pytest.approx(1.0)
+    assert seen == sorted(seen) and len(set(seen)) == len(seen) - (len(PHASES) - 1)
+    text = out.getvalue()
+    for name in PHASES:  # each phase was drawn, with its label
+        assert f"phase {name}" in text
+    assert text.endswith("\r\x1b[2K")  # erased
+    line = Progress(PHASES, enabled=True, stream=_Terminal()).line(40)
+    assert len(line) < 40
+    # Not a terminal (a pipe, --json): nothing is drawn.
+    piped = io.StringIO()
+    with Progress(PHASES, enabled=True, stream=piped) as quiet:
+        quiet.phase("start", "x", steps=1)
+        quiet.step()
+    assert piped.getvalue() == ""

@@ -76,25 +76,53 @@ def test_preflight_passes_when_everything_is_there(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize(
-    ("argv", "field"),
+    ("argv", "start"),
     [
-        (["--rounds", "1"], "rounds"),
-        (["--scenarios", "recompute,nonsense"], "scenarios"),
-        (["--kv-pool-tokens", "64"], "kv_pool_tokens"),
-        (["--docs", "0"], "docs"),
-        (["--slow-link-rate", "0"], "slow_link_rate"),
-        (["--slow-link-rate", "nan"], "slow_link_rate"),
-        (["--slow-link-delay-ms", "-1"], "slow_link_delay_s"),
-        (["--scenarios", "slow_remote_sometimes"], "scenarios"),
+        (["--rounds", "1"], "lmprefetch: rounds:"),
+        (["--kv-pool-tokens", "64"], "lmprefetch: kv_pool_tokens:"),
+        (["--docs", "0"], "lmprefetch: docs:"),
+        # The command line's own checks: the option, and the value as it was typed.
+        (["--scenarios", "recompute,nonsense"],
+         "lmprefetch bench-serve: argument --scenarios: unknown 'nonsense' (known: recompute,"),
+        (["--scenarios", "slow_remote_sometimes"],
+         "lmprefetch bench-serve: argument --scenarios: unknown 'slow_remote_sometimes'"),
+        (["--scenarios", ""],
+         "lmprefetch bench-serve: argument --scenarios: name at least one scenario, got ''"),
+        (["--scenarios", " , "],
+         "lmprefetch bench-serve: argument --scenarios: name at least one scenario, got ' , '"),
+        (["--slow-link-rate", "0"],
+         "lmprefetch bench-serve: argument --slow-link-rate: must be a positive number of MB/s, "
+         "got 0 "),
+        (["--slow-link-rate", "-1"],  # once: "got -1000000.0", the value converted to B/s
+         "lmprefetch bench-serve: argument --slow-link-rate: must be a positive number of MB/s, "
+         "got -1 "),
+        (["--slow-link-rate", "nan"],
+         "lmprefetch bench-serve: argument --slow-link-rate: must be a positive number of MB/s, "
+         "got nan "),
+        (["--slow-link-rate", "fast"],
+         "lmprefetch bench-serve: argument --slow-link-rate: expected a number of MB/s, got "
+         "'fast' "),
+        (["--slow-link-delay-ms", "-1"],
+         "lmprefetch bench-serve: argument --slow-link-delay-ms: must be a positive number of "
+         "ms, got -1 "),
     ],
-)
-def test_bad_options_one_line_naming_the_field_and_exit_2(
-    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+)  # fmt: skip
+def test_bad_options_one_line_naming_the_option_or_field_and_exit_2(
+    argv: list[str], start: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["bench-serve", "--quick", *argv]) == 2
+    try:
+        status = cli.main(["bench-serve", "--quick", *argv])
+    except SystemExit as exc:  # argparse's own checks
+        status = exc.code
+    assert status == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert err.startswith(f"lmprefetch: {field}:")
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(start), err
+
+
+def test_the_options_refuse_no_scenario_at_all() -> None:
+    with pytest.raises(ValueError, match=r"^scenarios: none given \(known: recompute, "):
+        ServeBenchOptions.quick_preset(scenarios=()).validate()
 
 
 # -- workloads ---------------------------------------------------------------------------------

@@ -451,3 +451,167 @@ def test_the_codec_link_scenario_has_its_goal_beside_the_plain_one() -> None:
     text = format_report(summary)
     assert "(redis_codec none): 0.70 (goal <= 0.75) [met]" in text
     assert "slow_remote_lossless 700 ms" in text
+
+
+# -- the decision tables (issue 31) -------------------------------------------------------------
+def _lookup(wall: float, decision: str, kept: int, **kw: Any) -> dict[str, Any]:
+    record = {
+        "kind": "lookup", "rank": 0, "lookup_id": "x", "wall": wall, "policy": "CostPolicy",
+        "prompt_tokens": 2080, "computed_tokens": 0, "hit_chunks": 8, "hit_tokens": 2048,
+        "kept_chunks": kept, "kept_tokens": kept * 256, "decision": decision,
+        "parts": [{"tier": "redis", "chunks": 8, "bytes": 8 << 20, "zero_copy": False,
+                   "latency_s": 0.05, "bytes_per_s": 10e6, "age_s": 3.0}],
+        "probes": [{"tier": "cpu", "seconds": 0.0, "chunks": 0},
+                   {"tier": "redis", "seconds": 0.042, "chunks": 8}],
+        "prefill_a": 0.00023, "prefill_b": 0.0, "prefill_source": "measured",
+        "predicted_load_s": 0.89 if kept else 0.0, "predicted_recompute_s": 0.0 if kept else 0.47,
+        "predicted_load_all_s": 0.89, "predicted_recompute_all_s": 0.47,
+        "decided_s": 0.042, "load_s": 0.95 if kept else None,
+        "answered_s": 0.99 if kept else 0.043, "answer_tokens": kept * 256,
+        "not_probed": [], "calibrating": [],
+    }  # fmt: skip
+    record.update(kw)
+    return record
+
+
+def _step(wall: float, tokens: int, seconds: float, predicted: float | None) -> dict[str, Any]:
+    return {"kind": "step", "rank": 0, "wall": wall, "tokens": tokens, "attention": 0,
+            "seconds": seconds, "load_s": 0.0, "predicted_s": predicted}  # fmt: skip
+
+
+def test_each_question_is_joined_with_its_decision_and_what_it_cost() -> None:
+    """A loaded question, a skipped one, one the policy did not probe for, and one without a
+    lookup (``never``): each shows its decision, the predicted and the measured load or
+    steps, where its time went, and the counts."""
+    from lmprefetch.bench.serve.decisions import decision_counts, decision_rows
+
+    trace = [
+        _step(5.0, 2048, 0.5, None),  # a warm-up step, before the first question
+        _lookup(10.01, "loaded", 8),
+        _step(11.01, 32, 0.012, 0.010),  # 11.01 - (10.01 + 0.99) = 10 ms after the answer
+        _lookup(20.002, "skipped", 0, calibrating=["redis"]),
+        _step(20.05, 2048, 0.48, 0.47),
+        _step(20.53, 32, 0.011, 0.010),
+        _lookup(
+            30.001,
+            "miss",
+            0,
+            hit_chunks=0,
+            parts=[],
+            probes=[],
+            not_probed=["redis"],
+            load_s=None,
+            answered_s=0.0001,
+            predicted_load_s=None,
+            predicted_recompute_s=None,
+            predicted_load_all_s=None,
+            predicted_recompute_all_s=None,
+        ),
+        _step(30.002, 2080, 0.49, 0.48),
+        {"kind": "gc", "rank": 0, "wall": 30.3, "generation": 2, "seconds": 0.02},
+        _step(40.003, 2080, 0.5, 0.48),
+        _step(40.51, 1, 0.02, 0.01),  # a decode step that ended after the first token
+    ]
+    sent = [10.0, 20.0, 30.0, 40.0]
+    ttft = [1.1, 0.6, 0.55, 0.52]
+    rows = decision_rows(trace, sent, ttft)
+    loaded, skipped, unprobed, none = rows
+    assert loaded["decision"] == "loaded" and loaded["kept_chunks"] == 8
+    assert loaded["predicted_load_ms"] == pytest.approx(890)
+    assert loaded["measured_load_ms"] == pytest.approx(950)
+    assert loaded["probe_ms"] == pytest.approx(42)
+    assert loaded["wait_ms"] == pytest.approx(10, abs=0.01)
+    assert loaded["tiers"] == [{"tier": "redis", "chunks": 8, "latency_ms": 50.0, "mb_per_s": 10.0}]
+    assert skipped["decision"] == "skipped" and skipped["calibrating"] == ["redis"]
+    assert skipped["predicted_recompute_all_ms"] == pytest.approx(470)
+    assert skipped["measured_steps_ms"] == pytest.approx(491)
+    assert skipped["predicted_steps_ms"] == pytest.approx(480)
+    assert skipped["steps"] == 2 and skipped["step_tokens"] == 2080
+    assert math.isnan(skipped["measured_load_ms"])
+    assert unprobed["decision"] == "not probed" and unprobed["gc_ms"] == pytest.approx(20)
+    assert none["decision"] == "no lookup" and none["wait_ms"] == pytest.approx(3, abs=0.01)
+    assert none["steps"] == 1 and none["after_steps_ms"] == pytest.approx(17, abs=0.01)
+    counts = decision_counts(rows)
+    assert [counts[k] for k in ("loaded", "truncated", "skipped", "not probed", "no lookup")] == [
+        1, 0, 1, 1, 1,
+    ]  # fmt: skip
+
+
+def test_the_decision_tables_are_in_the_report_and_the_json() -> None:
+    from lmprefetch.bench.serve import _finite
+    from lmprefetch.bench.serve.report import format_report, summarize
+
+    result = _link_result({"slow_remote_cost": 500.0, "slow_remote_always": 900.0})
+    raw = result["raw"]["slow_remote_cost"]
+    stats = raw["long_doc_qa"]
+    stats.sent_at = [10.0, 20.0, 30.0]
+    raw["trace"] = [
+        _lookup(10.01, "loaded", 8),
+        _lookup(20.01, "skipped", 0),
+        _lookup(30.01, "truncated", 4),
+    ]
+    result["raw"]["slow_remote_always"]["trace"] = None  # an lmprefetch without the trace
+    summary = summarize(result)
+    doc = json.loads(json.dumps(_finite(summary)))
+    cost = doc["scenarios"]["slow_remote_cost"]
+    assert [r["decision"] for r in cost["decisions"]] == ["loaded", "skipped", "truncated"]
+    assert cost["decision_counts"]["truncated"] == 1
+    assert cost["decision_summary"]["loaded"]["measured_load_ms"] == pytest.approx(950)
+    assert "decisions" not in doc["scenarios"]["slow_remote_always"]
+    text = format_report(summary)
+    assert "slow_remote_cost (cost): 1 loaded whole / 1 truncated / 1 skipped / 0 not probed" in (
+        text
+    )
+    assert "890/950" in text  # the load, predicted/measured
+
+
+def test_in_order_runs_the_scenarios_in_the_order_named() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    names = ",".join(reversed(LINK_NAMES))
+    opts = options_from_args(parser.parse_args(["--quick", "--scenarios", names, "--in-order"]))
+    assert [s.name for s in opts.scenarios_to_run()] == LINK_NAMES[::-1]
+    assert opts.settings()["scenario_order"] == LINK_NAMES[::-1]
+    opts = options_from_args(parser.parse_args(["--quick", "--scenarios", names]))
+    assert [s.name for s in opts.scenarios_to_run()] == LINK_NAMES  # the table's order
+
+
+def _link_runs() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("link_runs", ROOT / "tools" / "link_runs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_link_runs_alternates_the_order_and_tabulates_each_run() -> None:
+    from lmprefetch.bench.serve import _finite
+    from lmprefetch.bench.serve.report import summarize
+
+    tool = _link_runs()
+    assert tool.scenario_order(1) == LINK_NAMES
+    assert tool.scenario_order(2) == LINK_NAMES[::-1]
+    assert tool.scenario_order(3) == LINK_NAMES
+    p50 = dict(zip(LINK_NAMES, [1000.0, 500.0, 540.0, 40.0, 500.0, 48.0]))
+    result = _link_result(p50)
+    raw = result["raw"]["slow_remote_cost"]
+    raw["long_doc_qa"].sent_at = [10.0, 20.0, 30.0]
+    raw["trace"] = [_lookup(10.01, "loaded", 8), _lookup(20.01, "skipped", 0)]
+    summary = json.loads(json.dumps(_finite(summarize(result))))
+    rows = tool.rows(2, summary, "0.10 0.20 0.30", "1.50 1.00 0.50")
+    slow, fast = rows
+    assert (slow["link"], slow["always"], slow["recompute"], slow["cost"]) == (
+        "slow", 1000.0, 500.0, 540.0,
+    )  # fmt: skip
+    assert slow["ratio"] == pytest.approx(1.08) and slow["met"] is True
+    assert slow["decisions"] == "1 / 0 / 1 / 0"  # of the three questions, one had no lookup
+    assert fast["ratio"] == pytest.approx(1.2) and fast["met"] is False
+    assert fast["decisions"] == "-"  # no trace
+    table = tool.table(rows)
+    assert "| 2 | slow | 0.10 0.20 0.30 → 1.50 1.00 0.50 | 1 000 ms | 500 ms | 540 ms | 1.08 |" in (
+        table
+    )
+    assert "| 1.20 (**missed**) |" in table
+    assert "missed or not measured in 1 of 2" in table

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,25 +51,122 @@ def test_worker_serves_lookups_and_stops_on_a_signal(tmp_path: Path, signum: int
             "0",
         ],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        env=worker_env(),
+        env=worker_env(LMPREFETCH_CLAIM_TTL_S="20", LMPREFETCH_CHUNK_BYTES="32"),
     )
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()
         assert "serving" in line and "metrics" in line
-        config = PrefetchConfig.from_file(cfg_file)
+        # What won, the file or a variable, for each field that was set; the endpoints stay
+        # at the end of the line.
+        assert line.startswith(
+            f"lmprefetch worker rank 0/1 serving {req} (chunk_size=4 from --config {cfg_file}, "
+            "chunk_bytes=32 from LMPREFETCH_CHUNK_BYTES, "
+            f"cpu_bytes=4096 from --config {cfg_file}, "
+            f"lookup_timeout_s=10.0 from --config {cfg_file}, "
+            "claim_ttl_s=20.0 from LMPREFETCH_CLAIM_TTL_S, the rest default), "
+            "metrics on 127.0.0.1:"
+        ), line
+        assert line.rstrip("\n").rsplit(":", 1)[1].isdigit(), line
+        config = PrefetchConfig.from_file(cfg_file).replace(chunk_bytes=32)
         with LookupClient(config, [req], resp) as client:
             client.lookup("a", list(range(8)))
             assert client.wait("a", 10) == 0  # an empty worker: a miss, answered
         proc.send_signal(signum)  # after start-up, either is the ordinary way to stop: 0
         assert proc.wait(timeout=30) == 0
+        name = signal.Signals(signum).name
+        assert proc.stderr.read().splitlines() == [
+            f"lmprefetch worker rank 0/1: stopped ({name})"
+        ]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_the_start_up_line_names_the_file_as_given_and_hides_passwords() -> None:
+    from lmprefetch.cli import configuration_text
+
+    config = PrefetchConfig(redis_url="redis://user:s3cret@cache:6379/0", disk_path="/d")
+    where = {"redis_url": "in /etc/l.toml", "disk_path": "from LMPREFETCH_DISK_PATH"}
+    text = configuration_text(config, where, "$LMPREFETCH_CONFIG")
+    assert text == (
+        'redis_url="redis://user:***@cache:6379/0" from $LMPREFETCH_CONFIG /etc/l.toml, '
+        'disk_path="/d" from LMPREFETCH_DISK_PATH, the rest default'
+    )
+    assert "s3cret" not in text
+    assert configuration_text(PrefetchConfig(), {}, "--config") == "every setting its default"
+
+
+def test_a_mistyped_command_gets_the_closest_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmprefetch import cli
+
+    for typed, hint in (
+        ("benhc", "did you mean 'bench'?"),
+        ("bench-dsk", "did you mean 'bench-disk'?"),
+        ("wrker", "did you mean 'worker'?"),
+        (
+            "xyz",
+            "the commands: worker, bench, bench-engine, bench-disk, bench-serve, bench-codecs, "
+            "model",
+        ),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            cli.main(["-v", typed, "--json"])
+        assert caught.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"lmprefetch: unknown command {typed!r}; {hint} (see lmprefetch --help)"
+        ]
+
+
+def test_an_unknown_option_points_to_its_commands_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lmprefetch import cli
+
+    for command in ("bench", "bench-engine", "bench-disk", "bench-serve", "worker"):
+        with pytest.raises(SystemExit) as caught:
+            cli.main([command, "--no-such", "x"])
+        assert caught.value.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1, err
+        assert err[0].endswith(f"(see lmprefetch {command} --help)"), err
+        if command != "worker":  # (the worker also misses its required options: said first)
+            assert err[0] == (
+                f"lmprefetch {command}: unrecognized arguments: --no-such x "
+                f"(see lmprefetch {command} --help)"
+            )
+
+
+def _without(module: str, argv: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
+    """``lmprefetch argv`` as if ``module`` were not installed, with ``TMPDIR`` at ``tmp``."""
+    runner = (
+        f"import sys\nsys.modules[{module!r}] = None\n"
+        "from lmprefetch.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", runner, *argv], capture_output=True, text=True,
+        timeout=TIMEOUT_S, check=False, env={**os.environ, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+
+
+def test_bench_plot_without_matplotlib_says_so_before_the_run(tmp_path: Path) -> None:
+    out = _without("matplotlib", ["bench", "--plot", str(tmp_path / "b.png")], tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "lmprefetch: --plot needs matplotlib: python -m pip install 'lmprefetch[plot]'"
+    ]
+    assert out.stdout == "" and list(tmp_path.iterdir()) == []  # no run was started
+    missing = tmp_path / "no" / "b.png"
+    out = subprocess.run([*CLI, "bench", "--plot", str(missing)], capture_output=True,
+                         text=True, timeout=TIMEOUT_S, check=False)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [f"lmprefetch: --plot: {missing.parent} is not a directory"]
 
 
 def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
@@ -218,7 +316,7 @@ def test_every_error_is_one_line_whatever_was_typed(
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "lmprefetch: unrecognized arguments: --rank \\x1e (see lmprefetch --help)"
+        "lmprefetch bench: unrecognized arguments: --rank \\x1e (see lmprefetch bench --help)"
     ]
     cfg = tmp_path / "w.toml"
     cfg.write_text('"chunk\\nsize" = 4\n')
@@ -315,16 +413,37 @@ def test_ctrl_c_while_the_config_file_is_read_exits_130_without_a_traceback(
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
 
 
-def test_the_benchmarks_child_processes_end_quietly_on_ctrl_c() -> None:
-    """Ctrl-C reaches the whole process group: the benchmark's worker and echo processes
-    printed a traceback each while the command itself said "interrupted" once."""
-    from lmprefetch.bench import processes
+def test_the_benchmarks_child_processes_end_quietly() -> None:
+    """Ctrl-C reaches the whole process group, and a stopped command's children find their pipe
+    closed: the benchmark's worker and echo processes printed a traceback each while the
+    command itself said "interrupted" once."""
+    from lmprefetch.bench import disk, processes
 
     def interrupted() -> None:
         raise KeyboardInterrupt
 
-    with pytest.raises(SystemExit) as caught:
-        processes._quiet_on_ctrl_c(interrupted)()
-    assert caught.value.code == 130
-    for main in (processes.worker_main, processes.echo_main, processes.trio_echo_main):
-        assert main.__code__ is processes._quiet_on_ctrl_c(interrupted).__code__, main
+    def parent_gone() -> None:
+        raise EOFError
+
+    def exit_status(body: Callable[[], None]) -> object:
+        """``child_main(body)()``'s exit status, run in a thread (where it leaves this
+        process's signal handling alone)."""
+        codes: list[object] = []
+
+        def run() -> None:
+            try:
+                processes.child_main(body)()
+            except SystemExit as exc:
+                codes.append(exc.code)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(TIMEOUT_S)
+        return codes[0] if codes else None
+
+    assert exit_status(interrupted) == 130
+    assert exit_status(parent_gone) == 1
+    for main in (
+        processes.worker_main, processes.echo_main, processes.trio_echo_main, disk._burn,
+    ):  # fmt: skip
+        assert main.__code__ is processes.child_main(interrupted).__code__, main

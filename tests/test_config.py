@@ -260,6 +260,9 @@ def _out_of_bounds(spec: FieldSpec) -> list[float]:
 
 
 NUMERIC = [s for s in describe_fields() if s.type in (int, float)]
+#: Fields whose lower bound is only the floor of a rule with another field: a value under it is
+#: refused with the rule, which is what to fix (``cpu_bytes=-5`` said "at least 2").
+STATED_AS_A_RULE = {"cpu_bytes": r"must hold at least two chunks of chunk_bytes \(2097152\)"}
 
 
 def test_every_field_is_declared_with_a_meaning_and_every_number_with_bounds_and_unit() -> None:
@@ -283,6 +286,8 @@ def test_every_declared_bound_is_enforced_on_every_path(spec: FieldSpec) -> None
     assert bad_values
     for value in bad_values:
         expected = rf"^{spec.name}: must be {re.escape(spec.bounds_text())}, got "
+        if spec.name in STATED_AS_A_RULE and value < (spec.ge or 0):
+            expected = rf"^{spec.name}: {STATED_AS_A_RULE[spec.name]}, got "
         with pytest.raises(ValueError, match=expected):
             PrefetchConfig(**{spec.name: value})
         with pytest.raises(ValueError, match=expected):
@@ -366,6 +371,20 @@ def test_a_well_declared_struct_is_described_as_declared() -> None:
 
 
 # -- where a value was set, and what was meant ---------------------------------------------------
+@pytest.mark.parametrize("value", [-5, 0, 1, 2, 3, (2 << 20) * 2 - 1])
+def test_too_small_a_cpu_bytes_is_refused_with_the_two_chunk_rule(value: int) -> None:
+    """``cpu_bytes=-5`` said "must be at least 2" while the rule is two chunks."""
+    with pytest.raises(ValueError) as caught:
+        PrefetchConfig(cpu_bytes=value)
+    assert str(caught.value) == (
+        f"cpu_bytes: must hold at least two chunks of chunk_bytes (2097152), got {value}"
+    )
+    # With a chunk_bytes that is itself wrong, that is what the message is about.
+    with pytest.raises(ValueError, match="^chunk_bytes: must be at least 1"):
+        PrefetchConfig(cpu_bytes=4096, chunk_bytes=0)
+    assert PrefetchConfig(cpu_bytes=(2 << 20) * 2).cpu_bytes == 4 << 20
+
+
 def test_variables_override_the_file_and_the_whole_is_checked_once(tmp_path: Path) -> None:
     p = tmp_path / "c.toml"
     # Alone, this file is invalid: the default arena (1 GiB) cannot hold two 1-GiB chunks.

@@ -9,6 +9,7 @@ this file must keep passing unchanged.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import time
 import uuid
@@ -62,6 +63,13 @@ def test_the_top_level_names() -> None:
     ):  # fmt: skip
         assert name in lmprefetch.__all__, name
         assert getattr(lmprefetch, name) is not None
+    # Imported on first use (PEP 562): every name resolves, to the object its module defines.
+    for name in lmprefetch.__all__:
+        value = getattr(lmprefetch, name)
+        assert getattr(importlib.import_module(value.__module__), name) is value, name
+    assert set(dir(lmprefetch)) >= set(lmprefetch.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        lmprefetch.NoSuchName  # noqa: B018
 
 
 def test_config_fields_and_defaults() -> None:

@@ -24,7 +24,7 @@ import trio.testing
 
 from lmprefetch.memory import Arena
 from lmprefetch.tiers import chunkfile
-from lmprefetch.tiers.disk import HEADER_BYTES, MAGIC
+from lmprefetch.tiers.disk import HEADER_BYTES, MAGIC, DiskTier
 
 from .disk_tiers import (
     NUM_SLOTS,
@@ -418,6 +418,41 @@ async def test_cancelled_body_still_flushes_on_close(tmp_path: Path, arena: Aren
         assert arena.used_slots == 0
         async with opened(tmp_path) as tier:
             assert len(tier) == 4
+
+
+async def test_an_opening_cancelled_as_the_writer_starts_does_not_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while ``lmprefetch bench-engine`` opened an engine hung for good: the writer
+    shields itself from its first step, and trio leaves a child that starts in a cancelled
+    ``nursery.start()`` where it is, so the start waited for a writer that never ends."""
+    tiers: list[DiskTier] = []
+    rebuild = DiskTier._rebuild_index
+
+    async def rebuild_then_cancel(self: DiskTier) -> None:
+        tiers.append(self)
+        await rebuild(self)
+        opening.cancel()  # no checkpoint here: the next one is the writer's start
+
+    monkeypatch.setattr(DiskTier, "_rebuild_index", rebuild_then_cancel)
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def unstick() -> None:  # only where the opening hangs: so that the test ends
+            await trio.sleep(TIMEOUT_S)
+            for tier in tiers:
+                if tier._writer_scope is not None:
+                    tier._writer_scope.cancel()
+
+        nursery.start_soon(unstick)
+        with trio.CancelScope() as opening:
+            async with opened(tmp_path):
+                await trio.lowlevel.checkpoint()
+                pytest.fail("the tier opened although its opening was cancelled")
+        nursery.cancel_scope.cancel()
+    assert opening.cancelled_caught
+    assert trio.current_time() - started < TIMEOUT_S, "the cancelled opening hung"
+    assert tiers and tiers[0]._writes.closed  # the writer ran, and ended
 
 
 async def test_flush_waits_for_writes_queued_before_it(tmp_path: Path, arena: Arena) -> None:

@@ -1,6 +1,7 @@
 """What a user installs and what the README promises about it: extras that keep a GPU user's
-vLLM and torch, development pins only in constraints.txt (which every nox session uses), and a
-README that lists every nox session."""
+vLLM and torch, development pins only in constraints.txt (which every nox session uses), a
+README that lists every nox session, and every command the README names exists: its nox
+sessions, its ``lmprefetch`` subcommands and their options, its extras."""
 
 from __future__ import annotations
 
@@ -182,3 +183,76 @@ def test_the_readme_keeps_its_two_set_up_commands() -> None:
 def test_every_extra_is_mentioned_in_the_install_guide(extra: str) -> None:
     guide = (REPO / "docs" / "getting-started.md").read_text()
     assert f"| `{extra}` |" in guide, f"docs/getting-started.md: no row for the {extra!r} extra"
+
+
+README = (REPO / "README.md").read_text()
+
+
+def readme_code() -> list[str]:
+    """The README's code: each fenced block and each inline code span (a command in prose,
+    ``lmprefetch worker --rank 0 ...``, may be wrapped over two lines)."""
+    blocks = re.findall(r"```\w*\n(.*?)```", README, re.DOTALL)
+    prose = re.sub(r"```\w*\n.*?```", "", README, flags=re.DOTALL)
+    spans = [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+    return blocks + spans
+
+
+def test_the_readme_code_is_found() -> None:
+    code = readme_code()
+    assert "python -m pip install . && lmprefetch bench\n" in code
+    assert any(c.startswith("lmprefetch worker --rank 0") for c in code)
+
+
+def test_every_nox_session_the_readme_names_exists() -> None:
+    named = {m for c in readme_code() for m in re.findall(r"\bnox -s ([\w-]+)", c)}
+    assert {"ci", "build", "docs"} <= named, named
+    assert sorted(named - set(nox_sessions()) - {"NAME"}) == []
+
+
+def test_every_lmprefetch_command_and_option_the_readme_names_exists() -> None:
+    """``lmprefetch SUBCOMMAND --option ...`` in the README's code: the subcommand is one, and
+    each option it shows is one of that subcommand's."""
+    from lmprefetch.cli import build_parser
+
+    parser = build_parser()
+    seen = set()
+    for code in readme_code():
+        for line in code.replace("\\\n", " ").splitlines():
+            commands = re.findall(
+                r"(?:^\s*|&&\s*|;\s*|python -m\s+)lmprefetch ([a-z][\w-]*)((?: +[^ &|;]+)*)", line
+            )  # lmprefetch as the command, not a word of a sentence or an import
+            for command, rest in commands:
+                seen.add(command)
+                assert command in parser.commands, f"README: no command lmprefetch {command}"
+                known = parser.commands[command]._option_string_actions
+                for option in re.findall(r"(?<!\S)(--?[a-z][\w-]*)", rest):
+                    assert option in known, f"README: lmprefetch {command} has no {option}"
+    assert {"bench", "worker", "bench-serve", "bench-engine", "bench-disk"} <= seen, seen
+
+
+def test_every_extra_the_readme_installs_exists() -> None:
+    installs = [c for c in readme_code() if "pip install" in c]
+    named = set()
+    for code in installs:
+        for group in re.findall(r"(?:\.|lmprefetch|\.whl)\[([\w,-]+)\]", code):
+            named |= set(group.split(","))
+    # The table of machines: its extras column.
+    rows = [line.split("|") for line in README.splitlines() if line.startswith("| ")]
+    start = next(i for i, cells in enumerate(rows) if cells[2].strip() == "extras")
+    for cells in rows[start + 1 :]:
+        if cells[1].strip().startswith("---"):
+            continue
+        if cells[2].strip() in ("extras", "") or not cells[2].strip().startswith("`"):
+            break
+        for span in re.findall(r"`([\w,-]+)`", cells[2]):
+            named |= set(span.split(","))
+    assert {"vllm", "vllm-cpu", "test", "mooncake", "redis", "bench-serve"} <= named, named
+    assert sorted(named - set(EXTRAS)) == [], "the README installs extras pyproject lacks"
+
+
+def test_the_readme_gives_the_ci_time_once() -> None:
+    """One figure per fact: the time of ``nox -s ci`` is given once, and it is the one
+    docs/getting-started.md gives."""
+    minutes = re.findall(r"(\d+[–-]\d+) minutes", README)
+    assert minutes == ["30–40"], minutes
+    assert "30–40 minutes" in (REPO / "docs" / "getting-started.md").read_text()

@@ -187,24 +187,32 @@ def test_events_endpoint_with_events_off() -> None:
     assert_one_line_exit_2(out, "--events-endpoint", "kv_events")
 
 
-def test_redis_url_without_the_redis_extra(tmp_path: Path, toml: Callable[[str], str]) -> None:
-    """Simulate an install without redis-py: the import fails, the message names the extra."""
-    path = toml('redis_url = "redis://127.0.0.1:1"\n')
-    script = tmp_path / "no_redis.py"
-    script.write_text(
-        "import sys\n"
-        "sys.modules['redis'] = None  # as if the redis extra were not installed\n"
-        "from lmprefetch.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
+@pytest.mark.parametrize(
+    ("module", "setting", "names"),
+    [
+        ("redis", 'redis_url = "redis://127.0.0.1:1"\n', ("redis_url", "lmprefetch[redis]")),
+        # Was a 34-line traceback ending in ModuleNotFoundError.
+        ("torch", 'buffer_backend = "torch"\ncpu_bytes = 1048576\nchunk_bytes = 4096\n',
+         ("buffer_backend", "lmprefetch[torch]")),
+    ],
+    ids=["redis_url", "buffer_backend"],
+)  # fmt: skip
+def test_a_setting_without_its_extra_names_the_extra(
+    module: str, setting: str, names: tuple[str, ...], toml: Callable[[str], str]
+) -> None:
+    """Simulate an install without the extra: the import fails, the message names it."""
+    runner = (
+        f"import sys\nsys.modules[{module!r}] = None  # as if the extra were not installed\n"
+        "from lmprefetch.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     )
     out = subprocess.run(
-        [sys.executable, str(script), *worker_args("--config", path)],
+        [sys.executable, "-c", runner, *worker_args("--config", toml(setting))],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         check=False,
     )
-    assert_one_line_exit_2(out, "redis_url", "lmprefetch[redis]")
+    assert_one_line_exit_2(out, *names)
 
 
 @pytest.mark.parametrize(

@@ -1236,6 +1236,34 @@ def test_the_workers_calibrate_the_prefill_model_from_their_steps(make_harness: 
     assert prefill.samples == 3  # the prefill step and two decode steps
 
 
+def test_the_decision_log_records_each_step_beside_the_fits_prediction(
+    make_harness: Any, tmp_path: Path
+) -> None:
+    """With ``decision_log``, each timed step is one record: its tokens and attention work,
+    its time, the process's CPU time meanwhile, and what the prefill fit expected of it
+    before the step was added (nothing until the fit is calibrated)."""
+    from lmprefetch.trace import StepTrace, decode_records
+
+    log = tmp_path / "decisions-{rank}.jsonl"
+    h = make_harness(extra={"decision_log": str(log), "prefill_tokens_per_s": 1000.0})
+    prefill = h.runtime.engine.prefill
+    h.add("a", tokens_of(46, 100), max_tokens=4)
+    h.wait_answer("a")
+    h.step()  # the prefill: 100 tokens
+    h.step()  # a decode step
+    h.run_until_finished("a")
+    samples = prefill.samples
+    h.close()  # the writer flushes what is queued
+    steps = [r for r in decode_records((tmp_path / "decisions-0.jsonl").read_bytes())
+             if isinstance(r, StepTrace)]  # fmt: skip
+    assert len(steps) == samples == 4
+    assert [(s.tokens, s.attention) for s in steps[:2]] == [(100, 100**2), (1, 101**2 - 100**2)]
+    assert all(s.seconds > 0 and s.cpu_s is not None and s.cpu_s >= 0 for s in steps)
+    # Fitted once three steps of two sizes were seen: the fourth step has a prediction.
+    assert [s.predicted_s is None for s in steps] == [True, True, True, False]
+    assert steps[0].wall <= steps[1].wall <= steps[2].wall
+
+
 def test_the_step_time_is_the_forward_whichever_side_of_it_vllm_starts_the_loads(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -283,6 +283,16 @@ def test_bench_serve_redis_link_scenarios_serve_every_hit_from_redis(tmp_path: P
             doc_tokens = result["settings"]["long_doc_qa"]["doc_tokens"]
             assert entry["hit_tokens"] == entry["requests"] * doc_tokens, name
             assert 1.0 <= entry["redis_sent_vs_hit_bytes"] < 1.05, name
+        # The measured server's decision log, joined with the questions: one row each, every
+        # question computed in at least one step, a lookup wherever the policy looks up.
+        rows = entry["decisions"]
+        assert len(rows) == entry["requests"], name
+        assert all(r["steps"] >= 1 for r in rows), name
+        decided = {r["decision"] for r in rows}
+        if entry["load_policy"] == "never":
+            assert decided == {"no lookup"}, name
+        else:
+            assert decided <= {"loaded", "truncated", "skipped", "not probed"}, name
         link = entry["link"]
         if name.startswith("slow"):
             assert link["mechanism"] in ("netem", "htb+proxy"), link

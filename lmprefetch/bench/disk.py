@@ -38,9 +38,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
+from .. import _stopping
 from .goals import Goal, Limit
+from .processes import child_main, start_process, stop_processes
 from .workload import BenchOptions, int_at_least
 
 __all__ = ["add_arguments", "main", "run", "summarize"]
@@ -51,6 +54,7 @@ MiB = 1024 * 1024
 CONDITIONS = ("alone", "burners")
 
 
+@child_main
 def _burn() -> None:  # pragma: no cover - runs in a child process until terminated
     while True:
         pass
@@ -60,18 +64,13 @@ def _burn() -> None:  # pragma: no cover - runs in a child process until termina
 def burners(n: int) -> Iterator[None]:
     """``n`` CPU-bound processes (a Python busy loop each) while the block runs."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_burn, daemon=True) for _ in range(n)]
+    procs: list[BaseProcess] = []
     try:
-        for p in procs:
-            p.start()
+        for _ in range(n):
+            start_process(ctx, _burn, (), procs)
         yield
     finally:
-        for p in procs:
-            if p.pid is not None:
-                p.terminate()
-        for p in procs:
-            if p.pid is not None:
-                p.join(10)
+        stop_processes(procs, grace_s=0.0)
 
 
 class RunQueue:
@@ -250,10 +249,9 @@ def run(
     samples: list[Sample] = []
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
+        size = bench_engine.arena_bytes(chunks, chunk_bytes)
         peer = (
-            stack.enter_context(
-                LMCachePeer(chunks, chunk_bytes, bench_engine.arena_bytes(chunks, chunk_bytes))
-            )
+            _stopping.enter(stack, lambda: LMCachePeer(chunks, chunk_bytes, size))
             if use_peer
             else None
         )

@@ -28,13 +28,13 @@ The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import mmap
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -43,6 +43,7 @@ from typing import Any
 import trio
 import xxhash
 
+from .. import _stopping
 from ..config import PrefetchConfig
 from ..prefetch import Engine
 from ..tiers.disk import DiskTier
@@ -435,12 +436,10 @@ def run(
     (with the same ``chunks`` and ``chunk_bytes``) instead of opening one."""
     from .lmcache_peer import LMCachePeer, lmcache_available
 
+    run_ = functools.partial(_run, disk_only=disk_only)
     if peer is not None:
-        with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
-            return trio.run(
-                functools.partial(_run, disk_only=disk_only),
-                chunks, chunk_bytes, repeats, tmp, peer,
-            )
+        with _stopping.temporary_directory(prefix="lmprefetch-bench-engine-") as tmp:
+            return _stopping.run_trio(run_, chunks, chunk_bytes, repeats, tmp, peer)
     use_peer = lmcache != "off" and lmcache_available()
     if lmcache == "on" and not use_peer:
         raise ValueError("--lmcache on: lmcache is not importable (pip install lmcache==0.5.6)")
@@ -450,12 +449,15 @@ def run(
                 f"--chunk-bytes: LMCache needs a multiple of {LMCachePeer.CHUNK_BYTES_MULTIPLE}"
             )
         use_peer = False
-    run_ = functools.partial(_run, disk_only=disk_only)
-    with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-engine-") as tmp:
-        if not use_peer:
-            return trio.run(run_, chunks, chunk_bytes, repeats, tmp, None)
-        with LMCachePeer(chunks, chunk_bytes, arena_bytes(chunks, chunk_bytes)) as opened_peer:
-            return trio.run(run_, chunks, chunk_bytes, repeats, tmp, opened_peer)
+    with contextlib.ExitStack() as stack:
+        tmp = _stopping.enter(
+            stack, lambda: _stopping.temporary_directory(prefix="lmprefetch-bench-engine-")
+        )
+        opened_peer = None
+        if use_peer:
+            size = arena_bytes(chunks, chunk_bytes)
+            opened_peer = _stopping.enter(stack, lambda: LMCachePeer(chunks, chunk_bytes, size))
+        return _stopping.run_trio(run_, chunks, chunk_bytes, repeats, tmp, opened_peer)
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -5,24 +5,29 @@ processes, :mod:`.processes`)."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import math
 import multiprocessing as mp
 import os
 import random
+import shutil
 import statistics
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Any, TextIO
 
 import zmq
 
+from .. import _stopping
 from ..client import LookupClient
 from ..config import PrefetchConfig
-from .processes import echo_main, trio_echo_main, worker_main
+from .processes import echo_main, start_process, stop_processes, trio_echo_main, worker_main
 from .workload import BenchOptions, Workload
 
 __all__ = [
@@ -90,7 +95,7 @@ def measure_echo(
     messages, ``per_s``: messages echoed per second per peer when sent in windows, as
     :func:`measure_miss_throughput` sends lookups (no high-water mark: nothing waits on a full
     queue but the echo itself)."""
-    procs = []
+    procs: list[BaseProcess] = []
     zctx = zmq.Context()
     zctx.setsockopt(zmq.SNDHWM, 0)
     zctx.setsockopt(zmq.RCVHWM, 0)
@@ -106,12 +111,12 @@ def measure_echo(
     try:
         for front in fronts:
             target = trio_echo_main if trio_echo else echo_main
-            ready = ctx.Event()
-            p = ctx.Process(target=target, args=(front, back, ready), daemon=True)
-            p.start()
-            procs.append(p)
-            if not ready.wait(120):
-                raise RuntimeError("an echo process did not start")
+            ready, ready_child = ctx.Pipe(duplex=False)
+            with ready, ready_child:
+                start_process(ctx, target, (front, back, ready_child), procs)
+                if not ready.poll(120):
+                    raise RuntimeError("an echo process did not start")
+                ready.recv()
             s = zctx.socket(zmq.PUSH)
             s.connect(front)
             pushes.append(s)
@@ -139,14 +144,12 @@ def measure_echo(
                 for _ in range(n * len(pushes)):
                     pull.recv()
             per_s = pipelined / (time.perf_counter() - t0)
-        for s in pushes:
-            s.send(b"stop")
         return {"median": statistics.median(samples), "first": first, "per_s": per_s}
     finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.terminate()
+        for s in pushes:  # every echo is told to stop, on every path (it exits in a moment)
+            with contextlib.suppress(zmq.ZMQError):
+                s.send(b"stop", zmq.NOBLOCK)
+        stop_processes(procs, grace_s=5.0)
         for s in pushes:
             s.close(0)
         pull.close(0)
@@ -250,19 +253,26 @@ def _time_submit_and_poll(
     return submit, (time.perf_counter() - t0) / polls
 
 
-def measure_submit_and_poll(config: PrefetchConfig, opts: BenchOptions) -> dict[str, float]:
+def measure_submit_and_poll(
+    config: PrefetchConfig, opts: BenchOptions, progress: Progress | None = None
+) -> dict[str, float]:
     """Submit and pending-poll cost on a client whose (absent) worker never answers, and the
-    same on :class:`_PythonFloor` (``floor_submit_us``, ``floor_poll_us``)."""
+    same on :class:`_PythonFloor` (``floor_submit_us``, ``floor_poll_us``); two ``progress``
+    steps."""
+    progress = progress or Progress({}, enabled=False)
     dead = endpoint_for(opts, "nobody") if opts.transport == "ipc" else free_tcp_endpoint()
     resp = endpoint_for(opts, "dead-resp") if opts.transport == "ipc" else "tcp://127.0.0.1:0"
     cfg = config.replace(lookup_timeout_s=3600.0)
     prompt = list(range(128 * config.chunk_size))
     n, polls = 2000, 200_000
-    with LookupClient(cfg, [dead], resp) as client:
+    with contextlib.ExitStack() as stack:
+        client = _stopping.enter(stack, lambda: LookupClient(cfg, [dead], resp))
         submit, poll = _time_submit_and_poll(client.lookup, prompt, n, polls)
         for i in range(n):
             client.cancel(f"s{i}")
+    progress.step()
     floor_submit, floor_poll = _time_submit_and_poll(_PythonFloor().lookup, prompt, n, polls)
+    progress.step()
     return {
         "submit_us": submit * 1e6,
         "poll_us": poll * 1e6,
@@ -298,33 +308,103 @@ def measure_miss_throughput(client: LookupClient, n: int, rng: random.Random) ->
 
 
 class Progress:
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.enabled = enabled and sys.stderr.isatty()
-        self._last = 0.0
+    """The run's progress on one line of stderr, only when stderr is a terminal: a bar over the
+    whole run, how far it is, what it measures now and the seconds since it began.
+
+    The run is cut into phases, each with its expected share of the run's time (``weights``);
+    :meth:`phase` begins the next one with a number of steps, and each :meth:`step` moves the
+    bar by that phase's share over its steps.  The line is redrawn at most ten times a second.
+    :meth:`close` (or leaving the ``with`` block) erases it, however the run ends, so that what
+    comes next (the report, or the one line of an interrupted command) starts on a clean line.
+    """
+
+    def __init__(
+        self, weights: Mapping[str, float], enabled: bool, stream: TextIO | None = None
+    ) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = enabled and self.stream.isatty()
+        total = sum(weights.values()) or 1.0
+        # Where each phase begins and ends, 0 to 1 (one sum, so that a phase's end is exactly
+        # the next one's beginning).
+        ends = list(itertools.accumulate(w / total for w in weights.values()))
+        self._spans = dict(zip(weights, zip([0.0, *ends], ends)))
+        self._span = (0.0, 0.0)
+        self._steps = 1
+        self._done = 0
+        self._label = ""
+        self._t0 = time.monotonic()
+        self._drawn_at = -math.inf
+        self._drawn = False
+
+    @property
+    def fraction(self) -> float:
+        """How much of the run is done, 0 to 1."""
+        begin, end = self._span
+        if self._done >= self._steps:
+            return end
+        return begin + (end - begin) * self._done / self._steps
+
+    def phase(self, name: str, label: str, steps: int = 1) -> None:
+        """Begin phase ``name`` (one of the weights' keys; the phases before it count as done),
+        shown as ``label``, in ``steps`` steps."""
+        self._span = self._spans[name]
+        self._steps, self._done, self._label = max(1, steps), 0, label
+        self._draw(force=True)
 
     def step(self, n: int = 1) -> None:
-        self.done += n
+        self._done += n
+        self._draw()
+
+    def line(self, width: int) -> str:
+        """The line as drawn, at most ``width`` columns."""
+        frac = self.fraction
+        bar_width = 24
+        filled = int(frac * bar_width)
+        text = (
+            f"[{'#' * filled}{'.' * (bar_width - filled)}] {frac:4.0%}  "
+            f"{time.monotonic() - self._t0:4.0f} s  {self._label}"
+        )
+        return text[: max(0, width - 1)]
+
+    def _draw(self, *, force: bool = False) -> None:
         now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
-            frac = self.done / max(1, self.total)
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label:<10} [{bar:<30}] {frac:6.1%}")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+        if not self.enabled or (not force and now - self._drawn_at < 0.1):
+            return
+        self._drawn_at = now
+        width = shutil.get_terminal_size().columns
+        self.stream.write(f"\r\x1b[2K{self.line(width)}")
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        """Erase the line (if one was drawn)."""
+        if self._drawn:
+            self._drawn = False
+            with contextlib.suppress(OSError, ValueError):  # a terminal gone, a closed stream
+                self.stream.write("\r\x1b[2K")
+                self.stream.flush()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def replay(
-    client: LookupClient, workload: Workload, opts: BenchOptions, rng: random.Random
+    client: LookupClient,
+    workload: Workload,
+    opts: BenchOptions,
+    rng: random.Random,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Replay the chat lookups with ``concurrency`` in flight and random aborts."""
+    """Replay the chat lookups with ``concurrency`` in flight and random aborts (one
+    ``progress`` step per lookup)."""
     todo = list(enumerate(workload.lookups))
     pending: dict[str, tuple[int, list[int]]] = {}
     latencies: list[float] = []
     hit_tokens = total_tokens = aborted = timeouts = 0
-    progress = Progress(len(todo), "replay", opts.progress)
+    progress = progress or Progress({}, enabled=False)
     t_start = time.perf_counter()
     while todo or pending:
         while todo and len(pending) < opts.concurrency:
@@ -380,37 +460,50 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
     return sorted_values[k]
 
 
+#: The steps of :func:`measure_transport` (for a progress bar).
+TRANSPORT_STEPS = 6
+
+
 def measure_transport(
-    config: PrefetchConfig, opts: BenchOptions, ctx: mp.context.SpawnContext, rng: random.Random
+    config: PrefetchConfig,
+    opts: BenchOptions,
+    ctx: mp.context.SpawnContext,
+    rng: random.Random,
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """Round trip and throughput against one dedicated, otherwise idle worker process, beside
-    the raw pyzmq round trip to one echo process: the same shape, so the ratio is fair."""
+    the raw pyzmq round trip to one echo process: the same shape, so the ratio is fair
+    (:data:`TRANSPORT_STEPS` ``progress`` steps)."""
     if opts.transport == "tcp":
         req, resp = free_tcp_endpoint(), free_tcp_endpoint()
     else:
         req, resp = endpoint_for(opts, "t-w"), endpoint_for(opts, "t-sched")
+    progress = progress or Progress({}, enabled=False)
+    procs: list[BaseProcess] = []
     parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=worker_main,
-        args=(child, config.to_dict(), 0, 1, req, resp, asdict(opts), False),
-        daemon=True,
-    )
-    proc.start()
     out: dict[str, float] = {}
     try:
+        with child:
+            args = (child, config.to_dict(), 0, 1, req, resp, asdict(opts), False)
+            start_process(ctx, worker_main, args, procs)
         if not parent.poll(120):
             raise RuntimeError("the transport worker did not start")
         parent.recv()
+        progress.step()
         # The scheduler's client comes up after the worker is ready: its first lookup is the
         # first one this worker answers.
-        with LookupClient(config, [req], resp) as client:
+        with contextlib.ExitStack() as stack:
+            client = _stopping.enter(stack, lambda: LookupClient(config, [req], resp))
             first = measure_miss_rtt(client, 0, rng, warmup=1)["first"]
             echo = measure_echo(opts, ctx, peers=1, pipelined=opts.miss_lookups)
+            progress.step()
             out["raw_rtt_us"] = echo["median"] * 1e6
             out["raw_rtt_first_us"] = echo["first"] * 1e6
             out["raw_echo_per_s"] = echo["per_s"]
             out["trio_echo_rtt_us"] = measure_raw_rtt(opts, ctx, peers=1, trio_echo=True) * 1e6
+            progress.step()
             rtt = measure_miss_rtt(client, opts.rtt_samples, rng)
+            progress.step()
             out["miss_rtt_us"] = rtt["visible"] * 1e6
             out["miss_rtt_woken_us"] = rtt["woken"] * 1e6
             out["first_lookup_us"] = first * 1e6
@@ -419,11 +512,14 @@ def measure_transport(
             out["miss_lookups_per_s_per_worker"] = measure_miss_throughput(
                 client, opts.miss_lookups, rng
             )
+            progress.step()
         # The same worker from a blocking pyzmq client, for the breakdown.
         out["worker_rtt_us"] = measure_worker_rtt(config, req, resp, opts.rtt_samples) * 1e6
-        parent.send(("stop", None))
+        progress.step()
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.terminate()
+        # Told to stop on every path (a worker that is never told waits for its pipe to close).
+        with contextlib.suppress(OSError):
+            parent.send(("stop", None))
+        stop_processes(procs, grace_s=30.0)
+        parent.close()
     return out

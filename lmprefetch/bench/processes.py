@@ -1,47 +1,125 @@
 """The processes a benchmark run starts: worker ranks, and the echo peers that measure the
-transport's physical limit."""
+transport's physical limit; and how they are started and stopped.
+
+Every child is started with :func:`start_process` and ended with :func:`stop_processes`, and
+its entry point is wrapped in :func:`child_main`, so that stopping the command at any moment
+(:mod:`lmprefetch._stopping`) leaves no child behind and prints nothing from the children:
+they start with the stop signals blocked, then ignore SIGINT (the terminal's Ctrl-C reaches
+them too; the command stops them) and end on SIGTERM.
+"""
 
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Callable
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Sequence
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, ParamSpec
 
 import zmq
 
+from .. import _stopping
 from ..config import PrefetchConfig
 from ..hashing import ChunkHasher
 from .workload import BenchOptions, Workload, make_workload, payload_block
 
-__all__ = ["echo_main", "trio_echo_main", "worker_main"]
+__all__ = [
+    "child_main",
+    "echo_main",
+    "start_process",
+    "stop_processes",
+    "trio_echo_main",
+    "worker_main",
+]
 
 _P = ParamSpec("_P")
 
 
-def _quiet_on_ctrl_c(main: Callable[_P, None]) -> Callable[_P, None]:
-    """``main``, ending with status 130 and no traceback on Ctrl-C.
-
-    Ctrl-C reaches every process of the terminal's process group, so these children get it as
-    well as the ``lmprefetch`` command that started them, which says "interrupted" once for all
-    and stops them.  (The child's own ``finally`` blocks still run: its runtime closes.)
-    """
+def child_main(main: Callable[_P, None]) -> Callable[_P, None]:
+    """``main`` as a child process's entry point: :func:`lmprefetch._stopping.child_signals`
+    first, and no traceback when the parent went away (its pipe closed under a receive or a
+    send: the command is stopping, and says so once for all) or on Ctrl-C (status 130)."""
 
     @functools.wraps(main)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        _stopping.child_signals()
         try:
             main(*args, **kwargs)
         except KeyboardInterrupt:
             sys.exit(130)
+        except (EOFError, BrokenPipeError):
+            sys.exit(1)
 
     return run
 
 
+def start_process(
+    ctx: mp.context.SpawnContext,
+    target: Callable[..., None],
+    args: Sequence[Any],
+    procs: list[BaseProcess],
+) -> BaseProcess:
+    """Start ``target(*args)`` (a :func:`child_main`) in a child process, appended to ``procs``
+    (before it starts: :func:`stop_processes` skips one that never did), under
+    :func:`lmprefetch._stopping.spawning`: a stop signal takes effect once it has started, and
+    it starts with the stop signals blocked."""
+    proc = ctx.Process(target=target, args=tuple(args), daemon=True)
+    procs.append(proc)
+    with _stopping.deferred():
+        # The spawn method starts multiprocessing's resource tracker on first use, and that
+        # unblocks the stop signals when it is done: it must not happen inside spawning().
+        resource_tracker.ensure_running()
+    with _stopping.spawning():
+        proc.start()
+    return proc
+
+
+def stop_processes(procs: Sequence[BaseProcess], grace_s: float) -> None:
+    """End every process of ``procs`` that was started, and reap it.
+
+    Each is given ``grace_s`` to exit on its own (the caller asked it to), a wait that a stop
+    signal ends at once (then there is no grace at all); then SIGTERM, then SIGKILL to any
+    still there a moment later.  Returns when none is left.
+    """
+    started = [p for p in procs if p.pid is not None]
+    wake = _stopping.wakeup_fd()
+    grace_s = 0.0 if _stopping.received() is not None else grace_s
+    _wait_for_exit(started, grace_s, wake)
+    alive = [p for p in started if p.exitcode is None]
+    for p in alive:
+        p.terminate()
+    # A child still starting has SIGTERM blocked until its entry point runs: do not wait long.
+    _wait_for_exit(alive, 0.2 if _stopping.received() is not None else 2.0, None)
+    for p in alive:
+        if p.exitcode is None:
+            p.kill()
+    for p in started:
+        p.join()
+
+
+def _wait_for_exit(procs: Sequence[BaseProcess], timeout_s: float, wake: int | None) -> None:
+    """Until every one of ``procs`` has exited, ``timeout_s`` passed, or ``wake`` (a stop
+    signal's file descriptor) is readable."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        left = deadline - time.monotonic()
+        if not alive or left <= 0:
+            return
+        watched: list[Any] = [p.sentinel for p in alive]
+        if wake is not None:
+            watched.append(wake)
+        if wake is not None and wake in wait(watched, left):
+            return
+
+
 # -- worker processes -------------------------------------------------------------------
-@_quiet_on_ctrl_c
+@child_main
 def worker_main(
     conn: Connection,
     config_dict: dict[str, Any],
@@ -69,11 +147,15 @@ def worker_main(
         hasher = ChunkHasher.from_config(config)
         t0 = time.perf_counter()
         stored = 0
-        for history in workload.stored:
+        # The parent's progress bar moves as the histories are stored (about 50 messages).
+        every = max(1, len(workload.stored) // 50)
+        for i, history in enumerate(workload.stored, 1):
             hashes = hasher.hash(history)
             # Each chunk's payload starts with its hash, so a mixed-up chunk would show.
             payloads = [h.to_bytes(8, "big") + block[8:] for h in hashes]
             stored += runtime.store_hashes(hashes, payloads)
+            if opts.progress and i % every == 0:
+                conn.send(("stored", i))
         runtime.call(runtime.engine.flush)
         conn.send(("ready", {"stored_chunks": stored, "store_s": time.perf_counter() - t0}))
         while True:
@@ -269,17 +351,18 @@ def _measure_disk(runtime: Any, concurrency: int, rounds: int) -> dict[str, Any]
     return out
 
 
-@_quiet_on_ctrl_c
-def echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
+@child_main
+def echo_main(pull_endpoint: str, push_endpoint: str, ready: Connection | None = None) -> None:
     """Echo every message from ``pull_endpoint`` (bound) to ``push_endpoint`` until
-    ``b"stop"``; ``ready`` (a multiprocessing event) is set once both sockets are set up."""
+    ``b"stop"``; ``"ready"`` is sent on ``ready`` (a pipe's end) once both sockets are set
+    up."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(pull_endpoint)
     push = ctx.socket(zmq.PUSH)
     push.connect(push_endpoint)
     if ready is not None:
-        ready.set()
+        ready.send("ready")
     try:
         while True:
             msg = pull.recv()
@@ -292,8 +375,8 @@ def echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None
         ctx.term()
 
 
-@_quiet_on_ctrl_c
-def trio_echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) -> None:
+@child_main
+def trio_echo_main(pull_endpoint: str, push_endpoint: str, ready: Connection | None = None) -> None:
     """The same echo on lmprefetch's Trio-native sockets: the floor for any Trio worker."""
     import trio
 
@@ -304,7 +387,7 @@ def trio_echo_main(pull_endpoint: str, push_endpoint: str, ready: Any = None) ->
         pull = TrioZmqSocket(make_pull(ctx, pull_endpoint, bind=True, hwm=1000))
         push = TrioZmqSocket(make_push(ctx, push_endpoint, bind=False, hwm=1000))
         if ready is not None:
-            ready.set()
+            ready.send("ready")
         try:
             while True:
                 for msg in await pull.recv_batch(64):

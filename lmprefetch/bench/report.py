@@ -10,11 +10,21 @@ in the same run (the disk probe, see :func:`~lmprefetch.bench.system.summarize_d
 from __future__ import annotations
 
 import math
+import os
+import textwrap
 from typing import Any, Literal
 
 from .goals import Goal, Limit, load_text
 
-__all__ = ["format_report", "goals", "plot", "throughput_bars"]
+__all__ = [
+    "check_plot",
+    "format_report",
+    "goals",
+    "missed_goals_text",
+    "plot",
+    "throughput_bars",
+    "wrap",
+]
 
 
 def _disk_ratio(r: dict[str, Any]) -> float:
@@ -189,9 +199,39 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         f"  goals (this run; {_machine_text(r)}):",
     ]
-    for g in goals(r):
+    marked = goals(r)
+    for g in marked:
         lines += g.lines(58)
-    return "\n".join(lines)
+    lines += ["", *missed_goals_text(marked)]
+    return "\n".join(line for text in lines for line in wrap(text))
+
+
+#: The widest line a report prints (a long line is wrapped under its own indentation).
+WIDTH = 100
+
+
+def wrap(line: str, width: int = WIDTH) -> list[str]:
+    """``line`` as lines of at most ``width`` columns, each continuation indented two columns
+    past the line's own indentation (an empty line stays one empty line)."""
+    if len(line) <= width:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    return textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False)
+
+
+def missed_goals_text(marked: list[Goal]) -> list[str]:
+    """What the goal marks mean, under the goals: how many were missed, that a miss is not an
+    error, and where to read more."""
+    missed = sum(not g.met for g in marked)
+    count = f"{missed} of {len(marked)} goals missed." if missed else "Every goal met."
+    text = (
+        count + " A goal is what lmprefetch aims for on a quiet machine; a missed goal is not an "
+        "error (the exit status reports the leak check only), and the line under it says "
+        "whether this machine could have met it: the same thing measured on something that "
+        "does strictly less (its limit), in this run. How to read each figure, and a quiet "
+        "machine's: docs/benchmarks.md (the Benchmarks page of the documentation)."
+    )
+    return textwrap.wrap(text, WIDTH, initial_indent="  ", subsequent_indent="  ")
 
 
 def _machine_text(r: dict[str, Any]) -> str:
@@ -216,14 +256,27 @@ def throughput_bars(r: dict[str, Any]) -> tuple[list[str], list[float]]:
     )
 
 
-def plot(r: dict[str, Any], path: str) -> None:
+def check_plot(path: str) -> None:
+    """Before a run: ``--plot FILE.png`` can be written (matplotlib is installed, the directory
+    exists).  Raises ``ValueError`` (one line, exit 2) naming what to fix."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib: python -m pip install 'lmprefetch[plot]'"
+        ) from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot: {folder} is not a directory")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SystemExit("--plot needs matplotlib: pip install 'lmprefetch[plot]'") from exc
+
+def plot(r: dict[str, Any], path: str) -> None:
+    check_plot(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     lat = sorted(r["replay"]["latencies_ms"])
     if lat:
@@ -237,4 +290,9 @@ def plot(r: dict[str, Any], path: str) -> None:
     b.set_ylabel("GB/s")
     b.set_title("Disk prefetch vs a verified raw read of the same files")
     fig.tight_layout()
-    fig.savefig(path)
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise ValueError(f"--plot: cannot write {path} ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)

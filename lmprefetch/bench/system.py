@@ -28,21 +28,25 @@ What it does, in one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
 import os
 import random
 import statistics
-import tempfile
+import time
 from dataclasses import asdict
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from .. import _stopping
 from ..client import LookupClient
 from ..config import PrefetchConfig
 from .measure import (
+    TRANSPORT_STEPS,
     Progress,
     endpoint_for,
     free_tcp_endpoint,
@@ -52,8 +56,8 @@ from .measure import (
     percentile,
     replay,
 )
-from .processes import worker_main
-from .report import format_report, goals, plot
+from .processes import start_process, stop_processes, worker_main
+from .report import check_plot, format_report, goals, plot
 from .workload import BenchOptions, fraction, int_at_least, make_workload
 
 __all__ = ["BenchOptions", "add_arguments", "main", "run_bench", "summarize_disk_probe"]
@@ -106,7 +110,19 @@ def summarize_disk_probe(probes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: The phases of a run with their expected share of its time (as measured on two cores), for
+#: the progress bar.
+PHASES = {
+    "start": 25, "transport": 35, "scheduler": 28, "replay": 4, "disk": 4, "cancel": 2, "leak": 2,
+}  # fmt: skip
+
+
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """One run (see the module docstring); the results, as ``--json`` prints them.
+
+    Stopped by a signal (:mod:`lmprefetch._stopping`) at any moment, it stops every process it
+    started and removes its temporary directory before the exception leaves it.
+    """
     ctx = mp.get_context("spawn")
     rng = random.Random(opts.seed + 1)
     results: dict[str, Any] = {"options": {k: v for k, v in asdict(opts).items()}}
@@ -115,111 +131,143 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     results["cpus"] = os.cpu_count() or 0
     results["load_avg_before"] = load_avg()
     load = results["load_avg"] = {}
-    with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-") as tmp:
-        base = PrefetchConfig(
-            chunk_size=opts.chunk_size,
-            chunk_bytes=opts.chunk_bytes,
-            cpu_bytes=opts.cpu_bytes,
-            lookup_timeout_s=10.0,
-            claim_ttl_s=30.0,
+    base = PrefetchConfig(
+        chunk_size=opts.chunk_size,
+        chunk_bytes=opts.chunk_bytes,
+        cpu_bytes=opts.cpu_bytes,
+        lookup_timeout_s=10.0,
+        claim_ttl_s=30.0,
+    )
+    if opts.transport == "tcp":
+        resp = free_tcp_endpoint()
+        worker_eps = [free_tcp_endpoint() for _ in range(opts.workers)]
+    else:
+        resp = endpoint_for(opts, "scheduler")
+        worker_eps = [endpoint_for(opts, f"w{r}") for r in range(opts.workers)]
+    workload = make_workload(opts)
+    procs: list[BaseProcess] = []
+    conns: list[Connection] = []
+    with contextlib.ExitStack() as stack:
+        progress = stack.enter_context(Progress(PHASES, opts.progress))
+        progress.phase("start", f"starting {opts.workers} workers, storing the warm chats",
+                       steps=opts.workers * len(workload.stored) or 1)  # fmt: skip
+        tmp = _stopping.enter(
+            stack, lambda: _stopping.temporary_directory(prefix="lmprefetch-bench-")
         )
-        if opts.transport == "tcp":
-            resp = free_tcp_endpoint()
-            worker_eps = [free_tcp_endpoint() for _ in range(opts.workers)]
-        else:
-            resp = endpoint_for(opts, "scheduler")
-            worker_eps = [endpoint_for(opts, f"w{r}") for r in range(opts.workers)]
-        disk_dirs = [Path(tmp) / f"rank{r}" for r in range(opts.workers)]
-        procs = []
-        conns: list[Connection] = []
-        client = LookupClient(base, worker_eps, resp)
-        try:
-            progress = Progress(opts.workers, "start", opts.progress)
-            for r in range(opts.workers):
-                cfg = base.replace(disk_path=str(disk_dirs[r]), disk_bytes=4 << 30)
-                parent, child = ctx.Pipe()
-                p = ctx.Process(
-                    target=worker_main,
-                    args=(child, cfg.to_dict(), r, opts.workers, worker_eps[r], resp, asdict(opts)),
-                    daemon=True,
-                )
-                p.start()
-                procs.append(p)
-                conns.append(parent)
-            for conn in conns:
-                if not conn.poll(600):
-                    raise RuntimeError("a worker did not get ready within 600 s")
-                _tag, info = conn.recv()
-                results.setdefault("workers_ready", []).append(info)
-                progress.step()
-            results.update(measure_transport(base, opts, ctx, rng))
-            load["transport"] = load_avg()
-            results.update(measure_submit_and_poll(base, opts))
-            load["scheduler"] = load_avg()
-            workload = make_workload(opts)
-            results["replay"] = replay(client, workload, opts, rng)
-            load["replay"] = load_avg()
-            # The disk figure: every worker at once, each with its share of the replay's
-            # concurrency, its loads against a verified read of the same files.
-            per_worker = max(1, opts.concurrency // opts.workers)
-            for conn in conns:
-                conn.send(("disk_probe", (per_worker, opts.disk_probe_rounds)))
-            results["disk_probe"] = summarize_disk_probe([conn.recv() for conn in conns])
-            load["disk"] = load_avg()
-            for conn in conns:
-                conn.send(("cancel_probe", opts.cancel_samples))
-            probes = [conn.recv() for conn in conns]
-            load["cancel"] = load_avg()
-            cancel_samples = sorted(x for p in probes for x in p["released"])
-            hops = sorted(x for p in probes for x in p["thread_hop"])
-            results["cancel_samples"] = len(cancel_samples)
-            results["cancel_release_ms_p50"] = percentile(cancel_samples, 50) * 1e3
-            results["cancel_release_ms_p99"] = percentile(cancel_samples, 99) * 1e3
-            results["cancel_release_ms_max"] = max(cancel_samples, default=math.nan) * 1e3
-            # The cancel goal's limit: a release waits for the reads in flight to come back
-            # from their threads, so no release beats a bare hop there and back.
-            results["thread_hop_ms_p99"] = percentile(hops, 99) * 1e3
-            results["thread_hop_ms_max"] = max(hops, default=math.nan) * 1e3
-            # Leak check: every worker idle, nothing pinned or held.
-            finals = []
-            for conn in conns:
-                conn.send(("wait_idle", 30.0))
-                finals.append(conn.recv())
-            results["workers"] = finals
-            results["leak_free"] = all(
-                f["idle"]
-                and f["pinned_chunks"] == 0
-                and f["held_lookups"] == 0
-                and f["limiter_used"] == 0
-                and f["arena_used_bytes"] == f["cpu_resident_bytes"]
-                for f in finals
-            )
-            tiers: dict[str, dict[str, float]] = {}
-            for f in finals:
-                for name, t in f["tiers"].items():
-                    agg = tiers.setdefault(name, {"bytes_loaded": 0.0, "busy_seconds": 0.0})
-                    agg["bytes_loaded"] += t["bytes_loaded"]
-                    agg["busy_seconds"] += t.get("busy_seconds", 0.0)
-            # Throughput while the tier was loading (wall time with at least one load in
-            # flight, per worker, summed over workers).
-            results["tier_gbps"] = {
-                name: (t["bytes_loaded"] / t["busy_seconds"] / 1e9 if t["busy_seconds"] else None)
-                for name, t in tiers.items()
-            }
-            results["tier_bytes_loaded"] = {n: t["bytes_loaded"] for n, t in tiers.items()}
-        finally:
-            client.close()
-            for conn in conns:
-                try:
-                    conn.send(("stop", None))
-                except (BrokenPipeError, OSError):
-                    pass
-            for p in procs:
-                p.join(60)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
+        stack.callback(_stop_workers, procs, conns)  # before the directory goes
+        client = _stopping.enter(stack, lambda: LookupClient(base, worker_eps, resp))
+        for r in range(opts.workers):
+            cfg = base.replace(disk_path=str(Path(tmp) / f"rank{r}"), disk_bytes=4 << 30)
+            parent, child = ctx.Pipe()
+            conns.append(parent)
+            with child:
+                args = (child, cfg.to_dict(), r, opts.workers, worker_eps[r], resp, asdict(opts))
+                start_process(ctx, worker_main, args, procs)
+        results["workers_ready"] = _wait_ready(conns, progress)
+        progress.phase("transport", "round trips: a lookup against a raw pyzmq echo",
+                       steps=TRANSPORT_STEPS)  # fmt: skip
+        results.update(measure_transport(base, opts, ctx, rng, progress))
+        load["transport"] = load_avg()
+        progress.phase("scheduler", "the scheduler's submit and poll, against bare Python",
+                       steps=2)  # fmt: skip
+        results.update(measure_submit_and_poll(base, opts, progress))
+        load["scheduler"] = load_avg()
+        progress.phase("replay", "chat replay", steps=len(workload.lookups))
+        results["replay"] = replay(client, workload, opts, rng, progress)
+        load["replay"] = load_avg()
+        # The disk figure: every worker at once, each with its share of the replay's
+        # concurrency, its loads against a verified read of the same files.
+        progress.phase("disk", "disk prefetch against a verified read", steps=len(conns))
+        per_worker = max(1, opts.concurrency // opts.workers)
+        probes = _ask_all(conns, "disk_probe", (per_worker, opts.disk_probe_rounds), progress)
+        results["disk_probe"] = summarize_disk_probe(probes)
+        load["disk"] = load_avg()
+        progress.phase("cancel", "cancel of in-flight disk prefetches", steps=len(conns))
+        probes = _ask_all(conns, "cancel_probe", opts.cancel_samples, progress)
+        load["cancel"] = load_avg()
+        cancel_samples = sorted(x for p in probes for x in p["released"])
+        hops = sorted(x for p in probes for x in p["thread_hop"])
+        results["cancel_samples"] = len(cancel_samples)
+        results["cancel_release_ms_p50"] = percentile(cancel_samples, 50) * 1e3
+        results["cancel_release_ms_p99"] = percentile(cancel_samples, 99) * 1e3
+        results["cancel_release_ms_max"] = max(cancel_samples, default=math.nan) * 1e3
+        # The cancel goal's limit: a release waits for the reads in flight to come back
+        # from their threads, so no release beats a bare hop there and back.
+        results["thread_hop_ms_p99"] = percentile(hops, 99) * 1e3
+        results["thread_hop_ms_max"] = max(hops, default=math.nan) * 1e3
+        # Leak check: every worker idle, nothing pinned or held.
+        progress.phase("leak", "leak check", steps=len(conns))
+        finals = results["workers"] = _ask_all(conns, "wait_idle", 30.0, progress)
+        results["leak_free"] = all(
+            f["idle"]
+            and f["pinned_chunks"] == 0
+            and f["held_lookups"] == 0
+            and f["limiter_used"] == 0
+            and f["arena_used_bytes"] == f["cpu_resident_bytes"]
+            for f in finals
+        )
+        tiers: dict[str, dict[str, float]] = {}
+        for f in finals:
+            for name, t in f["tiers"].items():
+                agg = tiers.setdefault(name, {"bytes_loaded": 0.0, "busy_seconds": 0.0})
+                agg["bytes_loaded"] += t["bytes_loaded"]
+                agg["busy_seconds"] += t.get("busy_seconds", 0.0)
+        # Throughput while the tier was loading (wall time with at least one load in
+        # flight, per worker, summed over workers).
+        results["tier_gbps"] = {
+            name: (t["bytes_loaded"] / t["busy_seconds"] / 1e9 if t["busy_seconds"] else None)
+            for name, t in tiers.items()
+        }
+        results["tier_bytes_loaded"] = {n: t["bytes_loaded"] for n, t in tiers.items()}
     return results
+
+
+def _wait_ready(conns: list[Connection], progress: Progress) -> list[dict[str, Any]]:
+    """Each worker's ``ready`` message, in rank order, moving ``progress`` by the histories
+    the workers report stored meanwhile."""
+    ready: dict[int, dict[str, Any]] = {}
+    stored = [0] * len(conns)
+    deadline = time.monotonic() + 600
+    while len(ready) < len(conns):
+        waiting = [c for i, c in enumerate(conns) if i not in ready]
+        left = deadline - time.monotonic()
+        readable = wait(waiting, left) if left > 0 else []
+        if not readable:
+            raise RuntimeError("a worker did not get ready within 600 s")
+        for rank, conn in enumerate(conns):
+            if rank in ready or conn not in readable:
+                continue
+            tag, info = conn.recv()
+            if tag == "stored":
+                progress.step(info - stored[rank])
+                stored[rank] = info
+            else:
+                ready[rank] = info
+    return [ready[r] for r in range(len(conns))]
+
+
+def _ask_all(conns: list[Connection], command: str, arg: Any, progress: Progress) -> list[Any]:
+    """Send ``command`` to every worker at once, then collect their answers in rank order
+    (one ``progress`` step each)."""
+    for conn in conns:
+        conn.send((command, arg))
+    answers = []
+    for conn in conns:
+        answers.append(conn.recv())
+        progress.step()
+    return answers
+
+
+def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
+    """Ask every worker to stop (each flushes and closes its runtime), then end them
+    (:func:`stop_processes`: at once after a stop signal)."""
+    if _stopping.received() is None:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop", None))
+    stop_processes(procs, grace_s=60.0)
+    for conn in conns:
+        conn.close()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -332,6 +380,8 @@ def main(args: argparse.Namespace) -> int:
         plot=args.plot,
         progress=not args.no_progress and not args.json,
     )
+    if opts.plot:
+        check_plot(opts.plot)  # before the run, not after it
     results = run_bench(opts)
     results["goals"] = [g.as_dict() for g in goals(results)]
     if opts.plot:

@@ -93,6 +93,9 @@ class TierCounters(msgspec.Struct, gc=False):
     #: thread's decoding); ``None`` until a chunk was decoded (never, with the codec ``none``
     #: and no encryption).
     decode_bytes_per_s_ewma: float | None = None
+    #: Background loads that measured the tier's throughput (a load policy had dropped its
+    #: chunks while the tier was not measured, or measured long ago).
+    calibrations: int = 0
 
 
 class TierStatistics(TierCounters, frozen=True, gc=False):  # type: ignore[misc]
@@ -106,6 +109,8 @@ class TierStats(TierCounters, gc=False):
 
     _loads_active: int = 0
     _busy_since: float = 0.0
+    #: When (Trio time) the throughput was last measured; ``None``: never.
+    _throughput_at: float | None = None
 
     def load_started(self, now: float) -> None:
         if self._loads_active == 0:
@@ -122,15 +127,27 @@ class TierStats(TierCounters, gc=False):
         """A probe (one call, no payload) took ``seconds``: the tier's per-call latency."""
         self.latency_s_ewma = _ewma(self.latency_s_ewma, max(0.0, seconds))
 
-    def observe_load(self, n_bytes: int, seconds: float) -> None:
-        """A load moved ``n_bytes`` in ``seconds``; the time past the per-call latency and the
-        decoding (at the measured decode rate) is the transfer (a load no slower than that
-        tells nothing about throughput)."""
-        transfer = seconds - (self.latency_s_ewma or 0.0)
+    def observe_load(
+        self,
+        n_bytes: int,
+        seconds: float,
+        now: float | None = None,
+        latency_s: float | None = None,
+    ) -> None:
+        """A load moved ``n_bytes`` in ``seconds`` (ending at Trio time ``now``); the time
+        past the per-call latency (``latency_s``: the same lookup's probe, else the moving
+        average) is the transfer, but at least half the load's time: a call's latency on a
+        busy machine is mostly waiting for a thread, and a probe that waited longer than the
+        load took must not leave the tier unmeasured (on a fast link it did, every time).
+        The decoding (at the measured decode rate) is taken off first: it is not transfer."""
+        latency = self.latency_s_ewma if latency_s is None else latency_s
         if self.decode_bytes_per_s_ewma:
-            transfer -= n_bytes / self.decode_bytes_per_s_ewma
+            seconds = max(0.0, seconds - n_bytes / self.decode_bytes_per_s_ewma)
+        transfer = max(seconds - (latency or 0.0), 0.5 * seconds)
         if n_bytes > 0 and transfer > 0:
             self.load_bytes_per_s_ewma = _ewma(self.load_bytes_per_s_ewma, n_bytes / transfer)
+            if now is not None:
+                self._throughput_at = now
 
     def observe_decoded(
         self, payload_bytes: int, encoded_bytes: int, seconds: float, *, decoded: bool = True
@@ -147,10 +164,20 @@ class TierStats(TierCounters, gc=False):
                 self.decode_bytes_per_s_ewma, payload_bytes / seconds
             )
 
-    def cost(self) -> TierCost:
-        """The tier's cost estimate for a load policy."""
+    def throughput_age_s(self, now: float) -> float | None:
+        """Seconds since the throughput was last measured (``None``: never, or not timed)."""
+        at = self._throughput_at
+        return None if at is None else max(0.0, now - at)
+
+    def cost(self, now: float | None = None, max_age_s: float | None = None) -> TierCost:
+        """The tier's cost estimate for a load policy; ``stale`` when the throughput was never
+        measured, or (given ``now`` and ``max_age_s``) measured longer ago than that."""
+        age = None if now is None else self.throughput_age_s(now)
+        stale = self.load_bytes_per_s_ewma is None or (
+            max_age_s is not None and age is not None and age > max_age_s
+        )
         return TierCost(
-            self.latency_s_ewma, self.load_bytes_per_s_ewma, self.decode_bytes_per_s_ewma
+            self.latency_s_ewma, self.load_bytes_per_s_ewma, stale, self.decode_bytes_per_s_ewma
         )
 
     def statistics(self) -> TierStatistics:

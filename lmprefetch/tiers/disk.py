@@ -789,7 +789,12 @@ async def open_disk_tier(
     )
     await tier._rebuild_index()
     async with trio.open_nursery() as nursery:
-        await nursery.start(tier._run_writer)
+        # Shielded: the writer shields itself from the start, so a start() cancelled before
+        # the writer said it started would wait for it forever (trio leaves a child that
+        # starts in a cancelled start() where it is, and start() waits for it to end).  The
+        # start takes no time; the cancellation is seen at the next checkpoint.
+        with trio.CancelScope(shield=True):
+            await nursery.start(tier._run_writer)
         try:
             yield tier
         finally:

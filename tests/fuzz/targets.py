@@ -21,7 +21,9 @@ Targets (each one a directory name under ``corpus/`` and ``crashes/``):
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -364,6 +366,8 @@ def _scratch_dir() -> Path:
     """A directory for the files the checks write (one per process, reused)."""
     if not _scratch:
         _scratch.append(Path(tempfile.mkdtemp(prefix="lmprefetch-fuzz-")))
+        # Removed as the process exits (the suite left one in the temporary directory).
+        atexit.register(shutil.rmtree, _scratch[0], ignore_errors=True)
     return _scratch[0]
 
 

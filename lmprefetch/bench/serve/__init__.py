@@ -60,6 +60,8 @@ from .options import (
     LINK_SCENARIOS,
     SCENARIO_NAMES,
     ServeBenchOptions,
+    positive_number,
+    scenario_list,
 )
 
 __all__ = ["ServeBenchOptions", "add_arguments", "main", "preflight"]
@@ -96,6 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and speed-ups to FILE")
     p.add_argument(
         "--scenarios",
+        type=scenario_list,
         default=",".join(DEFAULT_SCENARIOS),
         help=f"comma-separated subset of: {', '.join(SCENARIO_NAMES)} (default: all but the "
         "Redis link scenarios *_remote_*)",
@@ -122,16 +125,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", type=int, help=f"same-prompt probes (default {d.probes})")
     p.add_argument(
         "--slow-link-rate",
-        type=float,
+        type=positive_number("MB/s"),
         metavar="MB/S",
         help=f"the slow_remote scenarios' link rate, each way "
         f"(default {d.slow_link_rate / 1e6:g} MB/s)",
     )
     p.add_argument(
         "--slow-link-delay-ms",
-        type=float,
+        type=positive_number("ms"),
         metavar="MS",
         help=f"the slow_remote scenarios' one-way delay (default {d.slow_link_delay_s * 1e3:g})",
+    )
+    p.add_argument(
+        "--in-order",
+        action="store_true",
+        help="run the scenarios in the order --scenarios names them (default: the order of "
+        "the list above)",
     )
     p.add_argument(
         "--model",
@@ -154,6 +163,7 @@ def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
         "redis_server": args.redis_server,
         "seed": args.seed,
         "progress": not args.no_progress,
+        "in_order": args.in_order,
         "model_kind": args.model,
     }
     for name in ("rounds", "kv_pool_tokens", "probes"):
@@ -199,12 +209,17 @@ def main(args: argparse.Namespace) -> int:
     )
     opts.validate()
     # Only now: these need the vllm extra (httpx among it), which preflight checked.
-    import trio
-
+    from ..._stopping import run_trio
     from .report import exit_status, format_report, plot, summarize
     from .run import run_bench_serve
 
-    summary = summarize(trio.run(run_bench_serve, opts))
+    # A stop signal cancels the run: every server is stopped, every file removed.
+    try:
+        summary = summarize(run_trio(run_bench_serve, opts))
+    except BaseException:
+        if opts.progress and sys.stderr.isatty():  # the progress bar's line, half-drawn
+            sys.stderr.write("\r\x1b[2K")
+        raise
     print(format_report(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(_finite(summary), indent=1) + "\n")

@@ -45,6 +45,8 @@ class Completion:
     cached_tokens: int
     completion_tokens: int
     output_ids: list[int] = field(default_factory=list)
+    #: The wall clock when the request was sent (the servers' trace records are joined on it).
+    sent_at: float = 0.0
 
 
 async def complete(
@@ -68,6 +70,7 @@ async def complete(
     first: float | None = None
     usage: dict[str, object] | None = None
     output: list[int] = []
+    sent_at = time.time()
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -100,6 +103,7 @@ async def complete(
         cached_tokens=cached,
         completion_tokens=int(str(usage.get("completion_tokens", 0))),
         output_ids=output,
+        sent_at=sent_at,
     )
 
 

@@ -42,6 +42,27 @@ def has_load_policy() -> bool:
     return "load_policy" in PrefetchConfig().to_dict()
 
 
+def has_decision_log() -> bool:
+    """Whether this lmprefetch has the ``decision_log`` setting (issue 31's trace)."""
+    from ...config import PrefetchConfig
+
+    return "decision_log" in PrefetchConfig().to_dict()
+
+
+def read_decision_logs(directory: Path) -> list[dict[str, Any]]:
+    """The trace records the measured server's ranks wrote (``decisions-<rank>.jsonl``), as
+    plain data, ordered by wall clock (blocking: call it in a thread)."""
+    import msgspec
+
+    from ...trace import decode_records
+
+    records: list[dict[str, Any]] = []
+    for path in sorted(directory.glob("decisions-*.jsonl")):
+        records.extend(msgspec.to_builtins(r) for r in decode_records(path.read_bytes()))
+    records.sort(key=lambda r: float(r["wall"]))
+    return records
+
+
 def link_cpu_bytes(opts: ServeBenchOptions) -> int:
     """The measured server's CPU tier (all of lmprefetch's host memory) in a link scenario:
     twice one request's load (every whole chunk of a document, and one more), since a lookup
@@ -198,6 +219,9 @@ async def run_link_scenario(
             extra["load_policy"] = policy
         if sc.codec is not None:
             extra["redis_codec"] = sc.codec
+        traced = await trio.to_thread.run_sync(has_decision_log)
+        if traced:
+            extra["decision_log"] = str(scenario_tmp / "decisions-{rank}.jsonl")
         ctx.progress.status("starting the measured server")
         server = await start_server(
             procs, ctx, f"{sc.name} server", prefix_caching=True, kv_transfer_config=kv_config
@@ -221,6 +245,9 @@ async def run_link_scenario(
             for requests in rounds[1:]:
                 await run_round(ctx, requests, [server], lambda _: 0, 1, stats)
             sent = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url) - sent_before
+            trace = (
+                await trio.to_thread.run_sync(read_decision_logs, scenario_tmp) if traced else None
+            )
         finally:
             await server.client.aclose()
             ctx.progress.end()
@@ -234,4 +261,5 @@ async def run_link_scenario(
         "redis_codec": sc.codec or "none",
         "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
         "redis_sent_bytes": sent,
+        "trace": trace,
     }

@@ -3,8 +3,11 @@ this module without vLLM or httpx installed)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +21,8 @@ __all__ = [
     "SCENARIO_NAMES",
     "Scenario",
     "ServeBenchOptions",
+    "positive_number",
+    "scenario_list",
 ]
 
 GiB = 1 << 30
@@ -171,6 +176,44 @@ SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
 DEFAULT_SCENARIOS = tuple(s.name for s in SCENARIOS if s.link is None)
 
 
+# -- the command line's own checks: the value as the user typed it -------------------------------
+def scenario_list(text: str) -> str:
+    """``--scenarios``: a comma-separated list of at least one known scenario (spaces and
+    empty items ignored), returned as such a list, normalized.
+
+    Raises:
+        argparse.ArgumentTypeError: no scenario, or an unknown one (the message lists them).
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"name at least one scenario, got {text!r} (known: {', '.join(SCENARIO_NAMES)})"
+        )
+    unknown = [name for name in names if name not in SCENARIO_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown {', '.join(map(repr, unknown))} (known: {', '.join(SCENARIO_NAMES)})"
+        )
+    return ",".join(names)
+
+
+def positive_number(unit: str) -> Callable[[str], float]:
+    """An argparse ``type``: a positive, finite number of ``unit``, refused with the text the
+    user wrote (not a value converted from it)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
+        return value
+
+    parse.__name__ = f"positive number of {unit}"  # argparse's fallback message names it
+    return parse
+
+
 @dataclass
 class ServeBenchOptions:
     """Everything one run uses; :meth:`full` and :meth:`quick` are the two presets."""
@@ -214,6 +257,15 @@ class ServeBenchOptions:
     #: one-way delay (see docs/benchmarks.md for why these).
     slow_link_rate: float = 10e6
     slow_link_delay_s: float = 0.02
+    #: Run the scenarios in the order ``scenarios`` names them (default: :data:`SCENARIOS`'s).
+    in_order: bool = False
+
+    def scenarios_to_run(self) -> tuple[Scenario, ...]:
+        """The selected scenarios, in the order they run."""
+        if self.in_order:
+            by_name = {s.name: s for s in SCENARIOS}
+            return tuple(by_name[n] for n in dict.fromkeys(self.scenarios))
+        return tuple(s for s in SCENARIOS if s.name in self.scenarios)
 
     @classmethod
     def full(cls, **changes: Any) -> ServeBenchOptions:
@@ -277,6 +329,8 @@ class ServeBenchOptions:
             raise ValueError(
                 f"model: one of {', '.join(MODEL_CHOICES)}, got {self.model_kind!r}"
             )
+        if not self.scenarios:
+            raise ValueError(f"scenarios: none given (known: {', '.join(SCENARIO_NAMES)})")
         unknown = [s for s in self.scenarios if s not in SCENARIO_NAMES]
         if unknown:
             raise ValueError(
@@ -301,6 +355,7 @@ class ServeBenchOptions:
         """The settings as plain data (for the JSON and the report)."""
         return {
             "quick": self.quick,
+            "scenario_order": [s.name for s in self.scenarios_to_run()],
             "rounds": self.rounds,
             "long_doc_qa": dataclasses.asdict(self.long_doc),
             "chat": dataclasses.asdict(self.chat),

@@ -28,10 +28,14 @@ from pathlib import Path
 
 import trio
 
+from ... import _stopping
+
 __all__ = ["ManagedProcess", "ProcessSet", "ServerError", "free_port"]
 
 #: Lines of each process's log kept for error messages.
 _LOG_LINES = 400
+#: Seconds a process is given to stop after SIGINT while the command itself is stopping.
+STOPPING_GRACE_S = 0.5
 
 
 class ServerError(RuntimeError):
@@ -166,11 +170,16 @@ class ManagedProcess:
     async def stop(self, grace_s: float = 60.0) -> int | None:
         """Stop the process group: ``SIGINT``, wait up to ``grace_s``, then ``SIGKILL``.
 
-        Returns the leader's exit status (``None`` if it never started).  Idempotent.
+        When the command itself is being stopped (Ctrl-C, SIGTERM), the grace is
+        :data:`STOPPING_GRACE_S` at most: the run's results are lost anyway, and the command
+        must end promptly.  Returns the leader's exit status (``None`` if it never started).
+        Idempotent.
         """
         proc = self.proc
         if proc is None:
             return None
+        if _stopping.received() is not None:
+            grace_s = min(grace_s, STOPPING_GRACE_S)
         pgid = proc.pid
         if not await self._signal_and_wait(pgid, signal.SIGINT, grace_s):
             await self._signal_and_wait(pgid, signal.SIGKILL, 30.0)

@@ -13,7 +13,10 @@ long-document QA workload (the headline), ``chat`` holds the multi-round chat's:
         "slow_remote_always": {"ttft_p50_ms": …, …, "link": {"kind": "slow", "mechanism":
                                "netem" | "htb+proxy", …}, "load_policy": "always",
                                "redis_sent_bytes": …, "external_hit_bytes": …,
-                               "redis_sent_vs_hit_bytes": …}, … (no "chat")},
+                               "redis_sent_vs_hit_bytes": …, "decisions": [one per question],
+                               "decision_counts": {…}, "decision_summary": {…},
+                               "trace": [the measured server's decision_log records]},
+                               … (no "chat")},
      "goals": [{"goal": …, "figure": …, "limit": …, "met": true | false | null}, …
                (the link goals add "p50_ms": {scenario: p50, …})],
      "settings": {…}, "machine": {…}, "load_average": {…}, "elapsed_s": …}
@@ -31,6 +34,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from .decisions import decision_counts, decision_rows, format_decisions, summarize_decisions
 from .model import describe, kv_bytes_per_token
 from .options import SCENARIOS
 from .rounds import Observed, ProbeResult, WorkloadStats
@@ -156,7 +160,20 @@ def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict
     that shrinks the chunks."""
     external = entry["metrics"].get("external_kv_transfer", 0)
     hit_bytes = external * kv_per_token
+    decisions: dict[str, Any] = {}
+    trace = raw.get("trace")
+    if trace is not None:
+        stats: WorkloadStats = raw["long_doc_qa"]
+        rows = decision_rows(trace, stats.sent_at, stats.ttft_s)
+        decisions = {
+            "decisions": rows,
+            "decision_counts": decision_counts(rows),
+            "decision_summary": summarize_decisions(rows),
+            # The measured server's records themselves, for a replay or a closer look.
+            "trace": trace,
+        }
     return {
+        **decisions,
         "link": raw["link"],
         "load_policy": raw["load_policy"],
         "load_policy_set": raw["load_policy_set"],
@@ -420,6 +437,22 @@ def format_report(summary: dict[str, Any]) -> str:
                 f"{_x(e['redis_sent_vs_hit_bytes']):>13}{_policy_counts(e['metrics']):>23}"
                 f"  {e['link']['mechanism']}" + _link_measured(e["link"])
             )
+    tables = [(n, e) for n, e in links if e.get("decisions")]
+    if tables:
+        lines += [
+            "",
+            "Decisions per question (the measured server's decision_log, joined by time): "
+            "load p/m = the kept chunks' load, predicted/measured; recomp. hit p = recomputing "
+            "the whole hit, predicted; steps p/m = the model steps between the question and its "
+            "first token, predicted by the prefill fit/measured; cpu = the server process's "
+            "CPU time during those steps (far below the steps' time x its threads: it waited "
+            "for the machine); probe, lookup = the probes' "
+            "and the lookup's time; wait = from the lookup's answer to vLLM's step; after = "
+            "from the last step to the first token at the client; gc = garbage collection in "
+            "the server meanwhile.",
+        ]
+        for name, e in tables:
+            lines += format_decisions(name, e["load_policy"], e["decisions"])
     lines += ["", "Goals (benchmark figures, not tests):"]
     for g in summary["goals"]:
         mark = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]

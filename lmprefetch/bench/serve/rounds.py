@@ -51,6 +51,8 @@ class WorkloadStats:
     cached_tokens: int = 0
     elapsed_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The wall clock when each measured request was sent (in ``ttft_s``'s order).
+    sent_at: list[float] = field(default_factory=list)
 
     def add_metrics(self, delta: dict[str, float]) -> None:
         for k, v in delta.items():
@@ -110,6 +112,7 @@ async def run_round(
         if not req.measured:
             continue
         stats.ttft_s.append(c.ttft_s)
+        stats.sent_at.append(c.sent_at)
         stats.requests += 1
         stats.completion_tokens += c.completion_tokens
         stats.prompt_tokens += c.prompt_tokens

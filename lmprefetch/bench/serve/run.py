@@ -46,7 +46,7 @@ from .client import RequestFailed
 from .hybrid_models import sliding_window_variant
 from .link_scenario import run_link_scenario
 from .model import write_model
-from .options import SCENARIOS, Scenario, ServeBenchOptions
+from .options import Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
 from .rounds import (
     ProbeResult,
@@ -367,9 +367,7 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
             ),
             progress=progress,
         )
-        for sc in SCENARIOS:
-            if sc.name not in opts.scenarios:
-                continue
+        for sc in opts.scenarios_to_run():
             try:
                 raw[sc.name] = await run_scenario(ctx, sc)
             except ScenarioUnavailable as exc:  # from the preflight, before any process

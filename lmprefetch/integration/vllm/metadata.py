@@ -189,7 +189,8 @@ class LMPrefetchConnectorStats(KVConnectorStats):  # type: ignore[misc]
     (requests with ``skip_load`` or ``max_load_tokens`` 0: not looked up), ``load_capped``
     (requests with a ``max_load_tokens`` cap) and ``load_cap_cut`` (hits the cap shortened);
     the workers count the load policy's decisions, ``policy_loaded``, ``policy_truncated``,
-    ``policy_skipped``, and ``deadline_cut`` (lookups whose loads the deadline cut).
+    ``policy_skipped``, ``policy_unprobed`` (lookups for which it ruled a tier out before
+    probing it), and ``deadline_cut`` (lookups whose loads the deadline cut).
     """
 
     def reset(self) -> None:
@@ -246,6 +247,7 @@ PROM_COUNTERS: dict[str, str] = {
     "policy_loaded": "Lookups whose whole hit the load policy loaded",
     "policy_truncated": "Lookups whose hit the load policy truncated",
     "policy_skipped": "Lookups whose hit the load policy skipped (recomputed)",
+    "policy_unprobed": "Lookups for which the load policy ruled a tier out before probing it",
     "deadline_cut": "Lookups whose loads the load deadline cut short",
     "loaded_chunks": "Chunks copied into vLLM's KV cache",
     "loaded_bytes": "Bytes copied into vLLM's KV cache",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...config import KV_DTYPES, PrefetchConfig
+from ...trace import StepTrace
 from .config import _worker_rank, _world_size, endpoint_names, kv_events_wanted
 from .groups import KVGroups, read_groups
 from .layout import PagedKVLayout
@@ -75,6 +76,7 @@ class _WorkerSide:
         self._kv_events = kv_events_wanted(vllm_config, config)
         self.counters = _Counters()
         self._step_began: float | None = None
+        self._step_cpu_began = 0.0  # the process's CPU time then (decision_log's steps)
         self._step_load_s = 0.0  # time this step spent in start_load_kv
         #: The engine's policy counters as last reported (stats report the increase).
         self._policy_seen: dict[str, int] = {}
@@ -211,6 +213,8 @@ class _WorkerSide:
         after it otherwise, so that call cannot mark the forward's start."""
         self._step_began = time.perf_counter()
         self._step_load_s = 0.0
+        if self._config.decision_log is not None:  # the step's CPU time, for its record
+            self._step_cpu_began = time.process_time()
 
     def start_load_kv(self, meta: LMPrefetchConnectorMetadata) -> None:
         t0 = time.perf_counter()
@@ -231,11 +235,20 @@ class _WorkerSide:
             engine = self._runtime.engine
         except RuntimeError:  # the runtime failed (reported when it happened)
             return
-        engine.prefill.observe_step(
-            meta.scheduled_tokens,
-            time.perf_counter() - began - self._step_load_s,
-            meta.scheduled_attention,
-        )
+        seconds = time.perf_counter() - began - self._step_load_s
+        tokens, attention = meta.scheduled_tokens, meta.scheduled_attention
+        trace = engine.trace
+        if trace.enabled and self._config.decision_log is not None:
+            # decision_log: the step, beside what the prefill model expected of it.
+            predicted = engine.prefill.step_seconds(tokens, attention)
+            trace.emit(
+                StepTrace(
+                    trace.rank, time.time() - seconds - self._step_load_s, tokens, attention,
+                    seconds, self._step_load_s, predicted,
+                    time.process_time() - self._step_cpu_began,
+                )
+            )  # fmt: skip
+        engine.prefill.observe_step(tokens, seconds, attention)
 
     def _load_hybrid(self, spec: HybridLoadSpec) -> None:
         """Load a hybrid request: every planned key, or none counts (all or nothing); the
