@@ -85,6 +85,8 @@ class HybridLookup:
         on_lookup: called once per lookup sent (a counter).
         max_tokens: the request's cap on loaded tokens (``max_load_tokens``): the boundary
             stays at or below ``local_tokens + max_tokens``.
+        salt: the request's salt (its chain hashes are salted already): it names the tenant
+            in every lookup, for workers that encrypt per tenant.
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class HybridLookup:
         local_tokens: int,
         on_lookup: Callable[[], None] | None = None,
         max_tokens: int | None = None,
+        salt: bytes | None = None,
     ) -> None:
         self.req_id = req_id
+        self._salt = salt
         self._client = client
         self._groups = groups
         self._cs = chunk_size
@@ -144,6 +148,7 @@ class HybridLookup:
             skip_tokens=sub.skip * cs,
             hashes=sub.hashes,
             offsets=[cs] * len(sub.hashes),
+            salt=self._salt,
         )
         sub.sent = True
         if self._on_lookup is not None:

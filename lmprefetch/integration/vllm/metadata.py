@@ -58,6 +58,9 @@ class SaveSpec:
     chunk_rows: list[int]
     block_ids: list[int]
     blocks: list[ChunkBlocks] | None = None
+    #: The request's tenant (a digest of its salt): whom a worker that encrypts seals the
+    #: chunks for (``b""``: the shared name space).
+    tenant: bytes = b""
 
 
 @dataclass
@@ -112,6 +115,8 @@ class HybridSaveSpec:
     groups: list[int]
     block_ids: list[list[int]]
     blocks: list[ChunkBlocks | None] | None = None
+    #: The request's tenant, as :attr:`SaveSpec.tenant`.
+    tenant: bytes = b""
 
 
 @dataclass

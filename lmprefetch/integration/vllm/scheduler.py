@@ -15,6 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...codec import tenant_id
 from ...config import PrefetchConfig
 from ...events import ChunkBlocks, KVEvent, RankEventMerger
 from ...hashing import ChunkHasher
@@ -304,6 +305,7 @@ class _SchedulerSide:
             skip_tokens=skip,
             hashes=hashes[:n_chunks],
             offsets=self._hasher.offsets(n_tokens)[:n_chunks],
+            salt=st.salt,  # (hashed already: it names the tenant, for encryption)
         )
         if answer is not None:
             self._record_answer(st, answer)
@@ -324,6 +326,7 @@ class _SchedulerSide:
             local_tokens,
             on_lookup=lambda: self.counters.add("group_lookups"),
             max_tokens=st.max_load_tokens,
+            salt=st.salt,
         )
         self.counters.add("lookups")
         st.hybrid = lookup
@@ -639,6 +642,7 @@ class _SchedulerSide:
             [it.group for it in items],
             [it.block_ids for it in items],
             blocks,
+            tenant=tenant_id(st.salt),
         )
 
     def _chunk_blocks(self, request: Any, chunk: int) -> ChunkBlocks:
@@ -679,6 +683,7 @@ class _SchedulerSide:
             rows,
             ids,
             blocks=self._blocks_of(req, first_chunk, len(rows)),
+            tenant=tenant_id(st.salt),
         )
 
     def _blocks_of(self, request: Any, first_chunk: int, n_chunks: int) -> list[ChunkBlocks] | None:

@@ -172,6 +172,12 @@ class _WorkerSide:
         if "model_name" not in explicit:
             model = str(getattr(self._vllm_config.model_config, "model", "") or "model")
             changes["model_name"] = model.replace("@", "_")
+        if "codec_group" not in explicit:
+            # A scale per token and head for the fp8/int8/int4 codecs (docs/codecs.md): every
+            # row's innermost dimension is the head size (K and V side by side on the CPU).
+            head_size = getattr(self._vllm_config.model_config, "get_head_size", None)
+            if callable(head_size) and int(head_size()) % 2 == 0:
+                changes["codec_group"] = int(head_size())
         if "kv_dtype" not in explicit:
             name = layout.kv_dtype_name
             if name is None:
@@ -428,7 +434,7 @@ class _WorkerSide:
         blocks = spec.blocks if self._kv_events else None
         if blocks is None:
             return runtime.store_hashes(
-                spec.chunk_hashes[first:last], [p.numpy() for p in payloads]
+                spec.chunk_hashes[first:last], [p.numpy() for p in payloads], tenant=spec.tenant
             )
         stored = 0
         named = [i for i in range(first, last) if blocks[i] is not None]
@@ -439,7 +445,9 @@ class _WorkerSide:
             hashes = [spec.chunk_hashes[i] for i in indices]
             parts = [payloads[i - first].numpy() for i in indices]
             described = [blocks[i] for i in indices] if names else None
-            got = runtime.store_hashes(hashes, parts, blocks=described)  # type: ignore[arg-type]
+            got = runtime.store_hashes(
+                hashes, parts, blocks=described, tenant=spec.tenant  # type: ignore[arg-type]
+            )
             stored += got
             if got < len(indices):
                 break
@@ -464,7 +472,9 @@ class _WorkerSide:
                 blocks = spec.blocks[first : first + _SAVE_BATCH_CHUNKS]
             try:
                 payloads = layout.extract(batch, out=self._staging_for(layout))
-                stored = runtime.store_hashes(hashes, [p.numpy() for p in payloads], blocks=blocks)
+                stored = runtime.store_hashes(
+                    hashes, [p.numpy() for p in payloads], blocks=blocks, tenant=spec.tenant
+                )
             except (ValueError, RuntimeError) as exc:
                 self.counters.add("save_errors")
                 log.warning("request %s: storing KV chunks failed: %s", spec.req_id, exc)
