@@ -36,6 +36,7 @@ from typing import Any, Final, TypeAlias
 import msgspec
 import zmq
 
+from .codec import tenant_id
 from .config import PrefetchConfig
 from .hashing import ChunkHasher
 from .protocol import (
@@ -91,7 +92,7 @@ class Request(msgspec.Struct, frozen=True, gc=False):
     offsets: list[int] | None
     #: Absolute wall-clock deadline in milliseconds.
     deadline_ms: int
-    #: The tenant's salt for hashing, or ``None``.
+    #: The tenant's salt for hashing (and naming the tenant), or ``None``.
     salt: bytes | None
 
 
@@ -404,6 +405,8 @@ class Bridge:
                 seq=cmd.seq,
                 deadline_ms=cmd.deadline_ms,
                 skip_chunks=min(cmd.skip_tokens // self._chunk_size, len(hashes)),
+                # The tenant for encryption at rest: a digest of the salt, never the salt.
+                tenant=tenant_id(cmd.salt),
             )
             buf = encode(msg)
         except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:

@@ -154,8 +154,10 @@ class LookupClient:
             hashes: pre-computed chunk hashes (skips hashing); give ``offsets`` with them.
             offsets: tokens per chunk, one per hash.
             salt: the tenant's name space (:func:`~lmprefetch.hashing.tenant_salt`): the
-                prompt is hashed under it, so only chunks stored under the same salt can hit.
-                Ignored when ``hashes`` is given (salt those yourself).
+                prompt is hashed under it, so only chunks stored under the same salt can hit,
+                and the request names the tenant (a digest of the salt) for workers that
+                encrypt per tenant.  With ``hashes`` given the prompt is not hashed (salt
+                those yourself), but the salt still names the tenant.
 
         Raises:
             LookupClientError: the bridge thread died (see its ``__cause__``).

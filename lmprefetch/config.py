@@ -566,6 +566,18 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "``disk_codec``).",
         ),
     ] = "none"
+    codec_group: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 16,
+            extra={"unit": "elements"},
+            description="Elements per scale of the ``fp8``, ``int8`` and ``int4`` codecs (even "
+            "for ``int4``): the head size of the model's attention, or a divisor of it, gives "
+            "one scale per token and head (the payload's innermost dimension).  Chunks record "
+            "their group, so changing it leaves stored chunks readable.",
+        ),
+    ] = 64
     encryption_key_file: Annotated[
         _NonEmpty | None,
         Meta(
@@ -776,6 +788,11 @@ def _check_rules(c: PrefetchConfig) -> None:
         problem = _codec_for_dtype(getattr(c, name), c.kv_dtype)
         if problem is not None:
             raise ValueError(f"{name}: {problem}")
+        if getattr(c, name) == "int4" and c.codec_group % 2:
+            raise ValueError(
+                f"codec_group: the int4 codec ({name}) packs two codes per byte: the group "
+                f"must be even, got {c.codec_group}"
+            )
     if c.redis_backoff_max_s < c.redis_backoff_initial_s:
         raise ValueError(
             f"redis_backoff_max_s: must be at least redis_backoff_initial_s "

@@ -35,7 +35,9 @@ the engine's table of lookups what it decided.  Read one lookup in this order:
 
 Every tier call goes through :meth:`LookupIO._tier_load` (bounded by ``tier_timeout_s``; a tier
 that raises or times out shortens the prefix) or the probe in :meth:`LookupIO._probe_and_load`:
-those are the seams between a lookup and its tiers.
+those are the seams between a lookup and its tiers.  A tier that seals chunks per tenant
+(``per_tenant``: encryption on, docs/codecs.md) is given the lookup's tenant with each load;
+its decoding is the tier's business (it happens inside ``load``, in the tier's threads).
 
 Cancellation: a lookup is cancelled through its record (``cancel`` cancels the task's scope);
 the task then unwinds, its exit stack releases every pin and buffer it still owns, and the
@@ -70,7 +72,7 @@ from .policy import (
     predict,
     when_decides,
 )
-from .tiers.base import Tier, ZeroCopyTier
+from .tiers.base import TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
 from .trace import CalibrationTrace, DecisionTrace, LookupTrace, PartTrace, ProbeTrace
 
@@ -244,6 +246,8 @@ class LookupIO:
         self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
             (t, isinstance(t, ZeroCopyTier)) for t in tiers
         )
+        # ... and which tiers seal chunks per tenant: their loads take the lookup's tenant.
+        self._per_tenant = frozenset(id(t) for t in tiers if getattr(t, "per_tenant", False))
         self._other_tiers = tuple(t for t in tiers if t is not cpu)
         self._limiter = limiter
         #: The load policy, and whether it decides before probing (read once).
@@ -277,6 +281,7 @@ class LookupIO:
         seq: int,
         deadline: float | None,
         skip_chunks: int,
+        tenant: bytes = b"",
     ) -> _Lookup:
         """See :meth:`Engine.start_lookup <lmprefetch.prefetch.Engine.start_lookup>`."""
         started = trio.current_time()
@@ -370,6 +375,7 @@ class LookupIO:
         keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
         self._nursery.start_soon(
             self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, notes, ruled_out,
+            tenant,
             name=f"lookup:{lookup_id}",
         )  # fmt: skip
         return rec
@@ -466,6 +472,7 @@ class LookupIO:
         deadline: float,
         notes: _Notes | None,
         ruled_out: frozenset[Tier],
+        tenant: bytes,
     ) -> None:
         """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
         until the contiguous prefix moves to the record."""
@@ -475,7 +482,7 @@ class LookupIO:
             with scope, ExitStack() as owned:
                 try:
                     total, loaded, sources, found, keep = await self._probe_and_load(
-                        keys, cum, skip_chunks, deadline, owned, notes, ruled_out
+                        keys, cum, skip_chunks, deadline, owned, notes, ruled_out, tenant
                     )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
@@ -503,6 +510,7 @@ class LookupIO:
         owned: ExitStack,
         notes: _Notes | None = None,
         ruled_out: frozenset[Tier] = frozenset(),
+        tenant: bytes = b"",
     ) -> tuple[int, Pairs, tuple[tuple[str, int], ...], int, int]:
         """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
         ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), the
@@ -574,7 +582,7 @@ class LookupIO:
                         part.release_buffers(part.loaded * kpc)
                         part.pins.release()
                     elif load_at_once:
-                        loads.start_soon(self._load_part, part, notes)
+                        loads.start_soon(self._load_part, part, notes, tenant)
                 # No checkpoint from the last probe to the loads' start: the policy decides,
                 # and what it drops is released now.
                 found = next_chunk - skip_chunks
@@ -596,13 +604,13 @@ class LookupIO:
                         if mine < part.n_chunks and self._needs_measuring(part):
                             # Chunks of a tier not measured (lately) go: measure it with some.
                             hi = min(part.n_chunks, mine + CALIBRATION_CHUNKS)
-                            self._calibrate_soon(part.split_off(mine, hi, kpc))
+                            self._calibrate_soon(part.split_off(mine, hi, kpc), tenant)
                             if notes is not None:
                                 notes.calibrating.append(part.tier.name)
                         part.truncate(mine, kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
-                            loads.start_soon(self._load_part, part, notes)
+                            loads.start_soon(self._load_part, part, notes, tenant)
                     keep = sum(p.n_chunks for p in parts)
                 self._lookups.note_decision(found, keep)
                 chosen = keep
@@ -757,14 +765,17 @@ class LookupIO:
         age = stats.throughput_age_s(trio.current_time())
         return age is not None and age > self._config.tier_cost_max_age_s
 
-    def _calibrate_soon(self, part: _Part) -> None:
+    def _calibrate_soon(self, part: _Part, tenant: bytes) -> None:
         """Start measuring ``part``'s tier by loading ``part`` (which owns its pins) in the
-        background; synchronous, so the task owns the part from here on."""
+        background, as ``tenant`` (the lookup's: a sealed tier opens its chunks with that
+        tenant's key); synchronous, so the task owns the part from here on."""
         scope = trio.CancelScope()
         self._calibrations[part.tier.name] = scope
-        self._nursery.start_soon(self._calibrate, part, scope, name=f"calibrate:{part.tier.name}")
+        self._nursery.start_soon(
+            self._calibrate, part, scope, tenant, name=f"calibrate:{part.tier.name}"
+        )
 
-    async def _calibrate(self, part: _Part, scope: trio.CancelScope) -> None:
+    async def _calibrate(self, part: _Part, scope: trio.CancelScope, tenant: bytes) -> None:
         """Load ``part`` into arena buffers under the limiter, as a lookup's load (its time
         measures the tier's throughput: :meth:`_load_batches`), then release everything.
         Cancelled when the engine closes."""
@@ -772,7 +783,7 @@ class LookupIO:
         t0 = trio.current_time()
         try:
             with scope:
-                await self._load_part(part)
+                await self._load_part(part, None, tenant)
         finally:
             loaded = part.loaded
             n_bytes = sum(len(buf.view()) for buf in part.buffers[: loaded * self._kpc])
@@ -811,8 +822,11 @@ class LookupIO:
             scope.cancel()
 
     # -- loading one tier's part ----------------------------------------------------------
-    async def _load_part(self, part: _Part, notes: _Notes | None = None) -> None:
-        """Load one tier's hit chunks into new arena buffers, under the limiter.
+    async def _load_part(
+        self, part: _Part, notes: _Notes | None = None, tenant: bytes = b""
+    ) -> None:
+        """Load one tier's hit chunks into new arena buffers, under the limiter (``tenant``:
+        the lookup's, for a tier that seals per tenant).
 
         Only the tier's own ``load`` may fail softly (see :meth:`_tier_load`); an exception
         from anything else here is a bug in lmprefetch and fails the lookup, loudly.
@@ -828,14 +842,14 @@ class LookupIO:
                 usable = len(part.buffers) // kpc * kpc
                 part.release_buffers(usable)  # allocation failure: a shorter prefix
                 if usable:
-                    await self._load_batches(part, usable // kpc)
+                    await self._load_batches(part, usable // kpc, tenant)
                     part.release_buffers(part.loaded * kpc)
         finally:
             part.pins.release()
             if notes is not None:
                 notes.loads_ended()
 
-    async def _load_batches(self, part: _Part, chunks: int) -> None:
+    async def _load_batches(self, part: _Part, chunks: int, tenant: bytes = b"") -> None:
         """Load a part's first ``chunks`` chunks (their buffers allocated) in order, in up to
         ``self._calls_per_part`` calls (one without ``load_deadline_s``, :data:`LOAD_BATCHES`
         with it), :data:`LOAD_DEPTH` at a time (which hides a call's round trip behind the
@@ -858,7 +872,7 @@ class LookupIO:
             nonlocal short
             lo, hi = bounds[index]
             got = await self._tier_load(
-                tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc]
+                tier, part.keys[lo * kpc : hi * kpc], part.buffers[lo * kpc : hi * kpc], tenant
             )
             filled[index] = got // kpc
             short = short or lo + got // kpc < hi
@@ -898,15 +912,20 @@ class LookupIO:
                 tier.stats.observe_load(n_bytes, now - t0, now, part.probe_s)
 
     async def _tier_load(
-        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]
+        self, tier: Tier, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], tenant: bytes = b""
     ) -> int:
         """``tier.load`` bounded by ``tier_timeout_s``: the contiguous count it filled, and 0
-        when the tier raises or times out (the prefix ends at this tier; D05)."""
+        when the tier raises or times out (the prefix ends at this tier; D05).  A tier that
+        seals per tenant is given ``tenant``."""
         t0 = trio.current_time()
         tier.stats.load_started(t0)
         try:
             with trio.move_on_after(self._config.tier_timeout_s):
-                return max(0, min(await tier.load(keys, buffers), len(keys)))
+                if id(tier) in self._per_tenant:
+                    loaded = await cast(TenantTier, tier).load(keys, buffers, tenant=tenant)
+                else:
+                    loaded = await tier.load(keys, buffers)
+                return max(0, min(loaded, len(keys)))
         except Exception:
             log.warning("tier %s failed a load; prefix ends there", tier.name, exc_info=True)
             tier.stats.errors += 1

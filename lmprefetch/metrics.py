@@ -93,6 +93,22 @@ _TIER_COUNTERS = {
     "errors": ("lmprefetch_tier_errors", "Tier operations that failed or timed out"),
     "writes_dropped": ("lmprefetch_tier_writes_dropped", "Write-behind chunks dropped"),
     "evictions": ("lmprefetch_tier_evictions", "Entries evicted from a tier"),
+    "encoded_bytes_loaded": (
+        "lmprefetch_tier_encoded_loaded_bytes",
+        "Bytes a tier's loads read, before its codec stage decoded them",
+    ),
+    "encoded_bytes_stored": (
+        "lmprefetch_tier_encoded_stored_bytes",
+        "Bytes a tier stored, after its codec stage encoded them",
+    ),
+    "decode_seconds": (
+        "lmprefetch_tier_decode_seconds",
+        "Thread seconds a tier's codec stage spent decoding",
+    ),
+    "codec_misses": (
+        "lmprefetch_tier_codec_misses",
+        "Stored chunks a tier's codec stage refused (damaged, unknown, another tenant's)",
+    ),
 }
 #: ``lmprefetch_load_decisions{decision=…}``: the load policy's decisions (docs/policy.md).
 _DECISIONS = {
@@ -111,6 +127,10 @@ _TIER_COSTS = {
     "load_bytes_per_s_ewma": (
         "lmprefetch_tier_load_bytes_per_second",
         "Moving average of a tier's load throughput",
+    ),
+    "decode_bytes_per_s_ewma": (
+        "lmprefetch_tier_decode_bytes_per_second",
+        "Moving average of a tier's decoding rate (payload bytes per thread second)",
     ),
 }
 #: ``lmprefetch_messages_dropped{reason=…}``: the field of :class:`ServerStatistics`, and

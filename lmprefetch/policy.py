@@ -26,12 +26,13 @@ Policies (``PrefetchConfig.load_policy``):
 
 Cost model (:class:`CostPolicy`).  The tiers' loads run concurrently, so loading the first
 ``k`` chunks takes ``max`` over the tiers with a chunk among them of ``latency + bytes /
-throughput`` (a zero-copy tier, the CPU tier, costs nothing).  Computing instead of loading
-them adds ``prefill(s, k)``, the prefill time of those tokens.  The policy takes the ``k``
-that minimises ``load(k) - prefill(s, k)`` (ties: the longer prefix), so a slow tier's chunks
-at the end of the prefix are the first to go.  Until the prefill model is calibrated (or
-``prefill_tokens_per_s`` configured) it loads everything, as ``"always"`` does; a tier not yet
-measured costs nothing, so its first loads measure it.
+throughput + bytes / decode rate`` (:meth:`TierCost.seconds`; the decode rate is that of the
+tier's codec stage, docs/codecs.md; a zero-copy tier, the CPU tier, costs nothing).
+Computing instead of loading them adds ``prefill(s, k)``, the prefill time of those tokens.
+The policy takes the ``k`` that minimises ``load(k) - prefill(s, k)`` (ties: the longer
+prefix), so a slow tier's chunks at the end of the prefix are the first to go.  Until the
+prefill model is calibrated (or ``prefill_tokens_per_s`` configured) it loads everything, as
+``"always"`` does; a tier not yet measured costs nothing, so its first loads measure it.
 
 Threads: :class:`PrefillModel` is fed from the model runner's thread and read on the engine's
 Trio thread (a lock guards it); everything else runs on the engine's thread.
@@ -79,9 +80,9 @@ class TierCost(msgspec.Struct, frozen=True, gc=False):
     """What one tier's loads have cost lately (moving averages; ``None``: not measured yet).
 
     ``latency_s`` is the time of a call that moves no payload (a probe); ``bytes_per_s`` is
-    payload bytes over the rest of a load's time.  ``stale``: the throughput was measured
-    longer ago than ``tier_cost_max_age_s`` (or never); the engine measures it again in the
-    background when a policy drops the tier's chunks.
+    payload bytes over the rest of a load's time, less its decoding.  ``stale``: the
+    throughput was measured longer ago than ``tier_cost_max_age_s`` (or never); the engine
+    measures it again in the background when a policy drops the tier's chunks.
 
     ``decode_bytes_per_s`` is the rate at which the payload is decoded once it has arrived
     (a tier that stores chunks encoded: a codec), ``None`` for a tier that stores them as

@@ -192,6 +192,7 @@ class Engine:
         seq: int = 0,
         deadline: float | None = None,
         skip_chunks: int = 0,
+        tenant: bytes = b"",
     ) -> _Lookup:
         """Start a lookup and return its record at once.
 
@@ -209,6 +210,9 @@ class Engine:
                 it has (default: now + ``lookup_timeout_s``; the scheduler gives up then).
             skip_chunks: leading chunks the engine already has; they count as hits and are
                 neither probed nor loaded.
+            tenant: the request's tenant (:func:`~lmprefetch.codec.tenant_id` of its salt;
+                ``b""``: the shared name space): with encryption on, chunks are opened with
+                this tenant's key, and another tenant's chunk is a miss.
 
         Returns:
             The lookup's record (its :attr:`~lmprefetch.lookup._Lookup.state` tells how far
@@ -222,6 +226,7 @@ class Engine:
             seq=seq,
             deadline=deadline,
             skip_chunks=skip_chunks,
+            tenant=tenant,
         )
 
     async def lookup_and_prefetch(
@@ -233,10 +238,12 @@ class Engine:
         seq: int = 0,
         deadline: float | None = None,
         skip_chunks: int = 0,
+        tenant: bytes = b"",
     ) -> int:
         """Look up, prefetch, and return the hit-token count once the loads are done.
 
-        The result stays held for :meth:`claim` (until ``claim_ttl_s``).
+        The result stays held for :meth:`claim` (until ``claim_ttl_s``).  Arguments as
+        :meth:`start_lookup`'s.
 
         Cancellation: if this call raises (``Cancelled`` at its one checkpoint, or anything
         else), the lookup it started is cancelled and has released everything by the time the
@@ -260,6 +267,7 @@ class Engine:
             seq=seq,
             deadline=deadline,
             skip_chunks=skip_chunks,
+            tenant=tenant,
         )
         try:
             await done.wait()
@@ -362,7 +370,7 @@ class Engine:
         number of leading chunks stored; when the CPU tier cannot take more (everything
         pinned) it stores what fits.  ``salt`` stores them in a tenant's name space (see
         :func:`~lmprefetch.hashing.tenant_salt`): only lookups hashed with the same salt find
-        them.
+        them, and with encryption on they are sealed with that tenant's key.
 
         Cancellation: a checkpoint before each chunk; a cancelled store keeps the whole
         chunks stored before it, each queued for write-behind once.
@@ -379,13 +387,16 @@ class Engine:
         payloads: Sequence[Any],
         *,
         blocks: Sequence[ChunkBlocks] | None = None,
+        tenant: bytes = b"",
     ) -> int:
         """:meth:`store` with precomputed chunk hashes.
 
         ``blocks[i]`` names chunk ``i`` in KV events (the vLLM connector gives vLLM's block
         hashes); without it, events name a chunk by its hash (in ``"chunks"`` mode only).
+        ``tenant`` (:func:`~lmprefetch.codec.tenant_id` of the salt the hashes were salted
+        with) is whom the chunks are sealed for, with encryption on.
         """
-        return await self._writes.store_hashes(hashes, payloads, blocks)
+        return await self._writes.store_hashes(hashes, payloads, blocks, tenant)
 
     def describe_chunks(self, hashes: Sequence[int], blocks: Sequence[ChunkBlocks] | None) -> None:
         """Name chunks for KV events (see :meth:`~lmprefetch.events.KVEventTracker.describe`):

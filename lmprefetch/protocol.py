@@ -16,7 +16,7 @@ with defaults, so either side can talk to the other:
 message                    fields (LMCache's first, then lmprefetch's extensions)
 =========================  ==================================================================
 ``LookupRequestMsg``       ``lookup_id``, ``hashes``, ``offsets``, ``request_configs``;
-                           ext ``seq``, ``deadline_ms``, ``skip_chunks``
+                           ext ``seq``, ``deadline_ms``, ``skip_chunks``, ``tenant``
 ``LookupResponseMsg``      ``lookup_id``, ``num_hit_tokens``; ext ``seq``, ``worker_id``,
                            ``tier_tokens``
 ``LookupCleanupMsg``       ``lookup_id``; ext ``seq``
@@ -24,8 +24,11 @@ message                    fields (LMCache's first, then lmprefetch's extensions
 
 Tenants: ``hashes`` are whatever the client computed, salted for a tenant when it has one (a
 ``cache_salt``, a LoRA adapter; see :mod:`lmprefetch.hashing`).  The salt is chained into the
-hashes on the scheduler side, so a request needs no salt field, workers never see a tenant's
-salt, and the LMCache-compatible fields keep their meaning.
+hashes on the scheduler side, so workers never see a tenant's salt, and the LMCache-compatible
+fields keep their meaning.  The extension ``tenant`` names the tenant for encryption at rest
+(:func:`~lmprefetch.codec.tenant_id`: a 16-byte digest of the salt, not the salt): a worker
+that encrypts opens the chunks with that tenant's key.  A request without it (an LMCache
+client, an unsalted prompt) is in the shared name space.
 
 Decoding errors are part of the API: :func:`decode_worker_message` and :func:`decode_response`
 raise :class:`msgspec.DecodeError` (its subclass :class:`msgspec.ValidationError` for
@@ -55,6 +58,7 @@ import msgspec
 __all__ = [
     "INT64_MAX",
     "MAX_CHUNK_TOKENS",
+    "MAX_TENANT_BYTES",
     "LookupCleanupMsg",
     "LookupMsg",
     "LookupRequestMsg",
@@ -71,6 +75,8 @@ __all__ = [
 INT64_MAX: Final = 2**63 - 1
 #: The most tokens one chunk may have (an unsigned 32-bit count).
 MAX_CHUNK_TOKENS: Final = 2**32 - 1
+#: The longest ``tenant`` a request may name (a tenant id is 16 bytes).
+MAX_TENANT_BYTES: Final = 64
 
 #: A sequence number, deadline or token total: a non-negative signed 64-bit integer.
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
@@ -107,6 +113,10 @@ class LookupRequestMsg(LookupMsg):
     #: Leading chunks the engine already holds; workers count them as hit without probing
     #: or loading them.
     skip_chunks: int = 0
+    #: The tenant (:func:`~lmprefetch.codec.tenant_id` of the prompt's salt; at most
+    #: :data:`MAX_TENANT_BYTES`), for workers that encrypt chunks per tenant; ``b""``: the
+    #: shared name space.
+    tenant: bytes = b""
 
 
 class LookupResponseMsg(LookupMsg):
@@ -196,8 +206,9 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
     Returns:
         ``None`` for a sane request, else a sentence saying what is wrong: ``hashes`` and
         ``offsets`` differ in length, an offset is not a token count of 1 … 2**32-1, the
-        tokens add up to more than 2**63-1 (the answer could not be encoded), or
-        ``skip_chunks`` is negative or larger than the number of chunks.
+        tokens add up to more than 2**63-1 (the answer could not be encoded),
+        ``skip_chunks`` is negative or larger than the number of chunks, or ``tenant`` is
+        longer than :data:`MAX_TENANT_BYTES`.
     """
     n = len(msg.hashes)
     if n != len(msg.offsets):
@@ -214,4 +225,6 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
         return (
             f"skip_chunks must be between 0 and the number of chunks ({n}), got {msg.skip_chunks}"
         )
+    if len(msg.tenant) > MAX_TENANT_BYTES:
+        return f"tenant must be at most {MAX_TENANT_BYTES} bytes, got {len(msg.tenant)}"
     return None

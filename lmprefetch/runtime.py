@@ -287,12 +287,15 @@ class WorkerRuntime:
         payloads: Sequence[Any],
         *,
         blocks: Sequence[ChunkBlocks] | None = None,
+        tenant: bytes = b"",
     ) -> int:
         """:meth:`store` with precomputed chunk hashes (``payloads[i]`` for ``hashes[i]``):
         for callers that store chunks from the middle of a prompt.  ``blocks[i]`` names chunk
-        ``i`` in KV events (see :meth:`Engine.store_hashes`)."""
+        ``i`` in KV events; ``tenant`` is whom the chunks are sealed for, with encryption on
+        (see :meth:`Engine.store_hashes`)."""
         portal, engine = self._running()
-        return int(portal.call(partial(engine.store_hashes, hashes, payloads, blocks=blocks)))
+        store = partial(engine.store_hashes, hashes, payloads, blocks=blocks, tenant=tenant)
+        return int(portal.call(store))
 
     def store_hashes_nowait(
         self,
@@ -300,11 +303,13 @@ class WorkerRuntime:
         payloads: Sequence[Any],
         *,
         blocks: Sequence[ChunkBlocks] | None = None,
+        tenant: bytes = b"",
     ) -> concurrent.futures.Future[int]:
         """:meth:`store_hashes` without waiting; the payloads must stay unchanged until the
         future is done."""
         portal, engine = self._running()
-        return portal.start_task_soon(partial(engine.store_hashes, hashes, payloads, blocks=blocks))
+        store = partial(engine.store_hashes, hashes, payloads, blocks=blocks, tenant=tenant)
+        return portal.start_task_soon(store)
 
     def store_nowait(
         self,
@@ -341,13 +346,14 @@ class WorkerRuntime:
         offsets: Sequence[int],
         *,
         skip_chunks: int = 0,
+        tenant: bytes = b"",
     ) -> int:
         """Blocking :meth:`Engine.lookup_and_prefetch` (for in-process use without sockets)."""
         portal, engine = self._running()
 
         async def run() -> int:
             return await engine.lookup_and_prefetch(
-                lookup_id, hashes, offsets, skip_chunks=skip_chunks
+                lookup_id, hashes, offsets, skip_chunks=skip_chunks, tenant=tenant
             )
 
         return int(portal.call(run))

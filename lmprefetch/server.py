@@ -191,6 +191,7 @@ class LookupServer:
             seq=seq,
             deadline=deadline,
             skip_chunks=msg.skip_chunks,
+            tenant=msg.tenant,
         )
 
     # -- sending (the send task owns the answer socket) ---------------------------------

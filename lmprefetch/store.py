@@ -4,8 +4,9 @@
 ``describe_chunks`` and ``flush`` call it).  A stored chunk becomes one arena buffer cached by
 the CPU tier (in layerwise mode, one per layer); every tier that takes writes behind the
 caller's back (:class:`~lmprefetch.tiers.base.WriteBehindTier`: disk, Redis) gets an owner
-reference on that same buffer and writes it later, never on the caller's path.  KV events name
-the stored chunks (:mod:`lmprefetch.events`).
+reference on that same buffer and writes it later, never on the caller's path (encoding it with
+its codec stage there, and sealing it for the chunk's tenant where encryption is on).  KV
+events name the stored chunks (:mod:`lmprefetch.events`).
 
 Cancellation: a store checkpoints once per chunk, *before* the chunk; a chunk is cached and
 queued for write-behind synchronously, so a cancelled store leaves whole chunks, a prefix of the
@@ -17,18 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import trio
 
 from ._stats import snapshot
+from .codec import tenant_id
 from .config import PrefetchConfig
 from .events import ChunkBlocks, KVEventTracker
 from .hashing import ChunkHasher
 from .keys import KeyMaker
 from .memory import Buffer
-from .tiers.base import WriteBehindTier
+from .tiers.base import TenantTier, WriteBehindTier
 from .tiers.cpu import CpuTier
 
 __all__ = ["ChunkStore", "StoreCounters", "StoreStatistics"]
@@ -75,6 +77,10 @@ class ChunkStore:
         self._keys = keys
         self._cpu = cpu
         self._write_behind = tuple(write_behind)
+        # The tiers that seal per tenant (encryption on) get each chunk's tenant.
+        self._per_tenant = frozenset(
+            id(t) for t in self._write_behind if getattr(t, "per_tenant", False)
+        )
         self._kv_events = kv_events
         self._counters = StoreCounters()
 
@@ -101,13 +107,14 @@ class ChunkStore:
                 )
                 for i, h in enumerate(hashes[: len(payloads)])
             ]
-        return await self.store_hashes(hashes, payloads, blocks)
+        return await self.store_hashes(hashes, payloads, blocks, tenant_id(salt))
 
     async def store_hashes(
         self,
         hashes: Sequence[int],
         payloads: Sequence[Any],
         blocks: Sequence[ChunkBlocks] | None,
+        tenant: bytes = b"",
     ) -> int:
         """See :meth:`Engine.store_hashes <lmprefetch.prefetch.Engine.store_hashes>`."""
         if len(payloads) > len(hashes):
@@ -154,7 +161,10 @@ class ChunkStore:
                     break
                 for key, buf in zip(chunk_keys, bufs):
                     for tier in self._write_behind:
-                        tier.enqueue_write(key, buf)
+                        if id(tier) in self._per_tenant:
+                            cast(TenantTier, tier).enqueue_write(key, buf, tenant=tenant)
+                        else:
+                            tier.enqueue_write(key, buf)
                 stored += 1
                 # Counted per chunk: a store cancelled at a later chunk keeps these.
                 self._counters.chunks_stored += 1

@@ -2,8 +2,10 @@
 
 It checks what only this machine can tell (is there that much memory, are the Redis and
 Mooncake extras installed), makes the arena, opens the tiers the configuration names (CPU, then
-disk, then Redis, then Mooncake, then any given ones) and the KV-event tracker that listens to
-them, and runs the engine in a nursery of its own.  Leaving it cancels every lookup, flushes
+disk, then Redis, then Mooncake, then any given ones), each with its codec stage (its codec,
+and the one cipher every tier shares when ``encryption_key_file`` is set: the master key is
+read once, here), and the KV-event tracker that listens to them, and runs the engine in a
+nursery of its own.  Leaving it cancels every lookup, flushes
 pending writes, closes the tiers and drops the CPU tier; the engine's own logic is in
 :mod:`lmprefetch.prefetch`.
 """
@@ -18,6 +20,7 @@ from typing import Final
 
 import trio
 
+from .codec import ChunkStage, TenantCipher, get_codec, load_master_key
 from .config import PrefetchConfig
 from .events import EventMode, KVEventTracker
 from .keys import ChunkKey, KeyMaker
@@ -68,7 +71,9 @@ async def open_engine(
             ``cpu_bytes`` more than the machine's memory, ``disk_path`` not a writable
             directory, ``redis_url`` without the ``redis`` extra installed (or
             ``mooncake_master`` without the ``mooncake`` extra), a ``load_policy`` class that
-            cannot be imported or built.
+            cannot be imported or built, a codec or ``encryption_key_file`` this machine
+            cannot honour (a library missing, the key file gone since the configuration was
+            read).
     """
     if not isinstance(config, PrefetchConfig):
         raise TypeError(f"config: expected PrefetchConfig, got {type(config).__name__}")
@@ -76,6 +81,7 @@ async def open_engine(
         raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
     _check_machine_memory(config.cpu_bytes)
     _check_extras(config)
+    stages = _codec_stages(config)
     policy = make_policy(config.load_policy)  # a custom policy is imported here
     log_path = None
     if config.decision_log is not None:
@@ -89,7 +95,9 @@ async def open_engine(
         await _prefault(arena, config.arena_prefault_bytes)
         async with AsyncExitStack() as stack:
             tiers: list[Tier] = [cpu]
-            tiers.extend(await _open_configured_tiers(stack, config, arena, rank, world_size))
+            tiers.extend(
+                await _open_configured_tiers(stack, config, arena, rank, world_size, stages)
+            )
             tiers.extend(extra_tiers)
             tracker = _open_tracker(config, rank, world_size, kv_events, tiers)
             async with trio.open_nursery() as nursery:
@@ -172,12 +180,47 @@ async def _prefault(arena: Arena, nbytes: int) -> None:
         arena.prefault(prefault)
 
 
+def _codec_stages(config: PrefetchConfig) -> dict[str, ChunkStage]:
+    """Each stored tier's codec stage (``disk_codec``, ``redis_codec``, ``mooncake_codec``),
+    sharing one cipher when ``encryption_key_file`` is set (the master key read once, here).
+
+    Raises:
+        ValueError: a codec or the key file that cannot be used (the message names the
+            field).
+    """
+    cipher: TenantCipher | None = None
+    if config.encryption_key_file is not None:
+        try:
+            cipher = TenantCipher(load_master_key(config.encryption_key_file))
+        except ValueError as exc:  # KeyFileError names the field; a missing library does not
+            text = str(exc)
+            raise ValueError(
+                text if text.startswith("encryption_key_file") else f"encryption_key_file: {text}"
+            ) from None
+    stages = {}
+    for tier in ("disk", "redis", "mooncake"):
+        field = f"{tier}_codec"
+        name = getattr(config, field)
+        try:  # the payloads' dtype: byte planes of its width, a lossy codec's values, and
+            # what a reader expects any chunk it decodes to hold
+            codec = get_codec(name, dtype=config.kv_dtype, group=config.codec_group)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {str(exc).partition(': ')[2] or exc}") from None
+        stages[tier] = ChunkStage(codec, cipher)
+    return stages
+
+
 async def _open_configured_tiers(
-    stack: AsyncExitStack, config: PrefetchConfig, arena: Arena, rank: int, world_size: int
+    stack: AsyncExitStack,
+    config: PrefetchConfig,
+    arena: Arena,
+    rank: int,
+    world_size: int,
+    stages: dict[str, ChunkStage],
 ) -> list[Tier]:
-    """The disk, Redis and Mooncake tiers ``config`` names, in probe order; ``stack`` closes
-    them.  The Mooncake tier registers ``arena`` with Mooncake (it reads and writes chunks in
-    place)."""
+    """The disk, Redis and Mooncake tiers ``config`` names, in probe order, each with its
+    codec stage (:func:`_codec_stages`); ``stack`` closes them.  The Mooncake tier registers
+    ``arena`` with Mooncake (it reads and writes chunks in place)."""
     tiers: list[Tier] = []
     if config.disk_path is not None:
         from .tiers.disk import open_disk_tier
@@ -190,6 +233,7 @@ async def _open_configured_tiers(
                 write_queue=config.disk_write_queue,
                 o_direct=config.disk_o_direct,
                 owns=_key_owner(config, rank, world_size),
+                stage=stages["disk"],
             )
         )
         tiers.append(disk)
@@ -204,13 +248,15 @@ async def _open_configured_tiers(
                 write_queue=config.redis_write_queue,
                 backoff_initial_s=config.redis_backoff_initial_s,
                 backoff_max_s=config.redis_backoff_max_s,
+                stage=stages["redis"],
             )
         )
         tiers.append(remote)
     if config.mooncake_master is not None:
         from .tiers.mooncake import open_mooncake_tier_from_config
 
-        tiers.append(await stack.enter_async_context(open_mooncake_tier_from_config(config, arena)))
+        mooncake = open_mooncake_tier_from_config(config, arena, stages["mooncake"])
+        tiers.append(await stack.enter_async_context(mooncake))
     return tiers
 
 

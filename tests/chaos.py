@@ -280,13 +280,15 @@ def _worker_main(
 
         reached, real = threading.Event(), chunkfile.write_file
 
-        def held(final: str, temp: str, key_bytes: bytes, data: memoryview) -> None:
+        def held(
+            final: str, temp: str, key_bytes: bytes, data: memoryview, **kwargs: Any
+        ) -> None:
             chunkfile.write_file = real  # only this one write is held
             with open(temp, "wb") as f:
                 f.write(b"LMPF")  # a torn write, as a crash leaves it
             reached.set()
             threading.Event().wait(hang_s)
-            real(final, temp, key_bytes, data)
+            real(final, temp, key_bytes, data, **kwargs)
 
         def patch() -> None:
             chunkfile.write_file = held

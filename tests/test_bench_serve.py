@@ -349,6 +349,8 @@ def test_scenario_names_are_the_issues() -> None:
         "fast_remote_always",
         "fast_remote_recompute",
         "fast_remote_cost",
+        "slow_remote_lossless",
+        "slow_remote_bitround3",
     )
 
 

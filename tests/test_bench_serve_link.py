@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from lmprefetch import cli
+from lmprefetch.bench.netns import loopback_only
 from lmprefetch.bench.serve import _needs_private_netns, add_arguments, options_from_args
 from lmprefetch.bench.serve.link import (
     PROXY_READY,
@@ -34,6 +35,7 @@ from lmprefetch.bench.serve.link import (
     tc_commands,
 )
 from lmprefetch.bench.serve.options import (
+    CODEC_LINK_SCENARIOS,
     DEFAULT_SCENARIOS,
     LINK_SCENARIOS,
     SCENARIO_NAMES,
@@ -228,12 +230,22 @@ def test_the_shaper_limits_the_ports_rate_each_way_and_is_removed(tmp_path: Path
 # -- the scenarios ---------------------------------------------------------------------------
 def test_the_link_scenarios_are_the_issues_and_not_in_the_default_run() -> None:
     assert list(LINK_SCENARIOS.values()) == LINK_NAMES
-    assert [n for n in SCENARIO_NAMES if "_remote_" in n] == LINK_NAMES
-    assert not set(LINK_NAMES) & set(DEFAULT_SCENARIOS)
+    codec_names = list(CODEC_LINK_SCENARIOS.values())
+    assert codec_names == ["slow_remote_lossless", "slow_remote_bitround3"]
+    assert [n for n in SCENARIO_NAMES if "_remote_" in n] == LINK_NAMES + codec_names
+    assert not set(LINK_NAMES + codec_names) & set(DEFAULT_SCENARIOS)
     by_name = {s.name: s for s in SCENARIOS}
     assert [by_name[n].load_policy for n in LINK_NAMES] == ["always", "never", "cost"] * 2
     assert [by_name[n].link for n in LINK_NAMES] == ["slow"] * 3 + ["fast"] * 3
     assert all(by_name[n].tier == "redis" and by_name[n].servers == 1 for n in LINK_NAMES)
+    assert all(by_name[n].codec is None for n in LINK_NAMES)
+    # The codec scenarios: slow_remote_always with redis_codec set, and a goal beside it.
+    for codec, name in CODEC_LINK_SCENARIOS.items():
+        sc = by_name[name]
+        assert (sc.link, sc.load_policy, sc.codec, sc.tier) == ("slow", "always", codec, "redis")
+    assert _needs_private_netns(
+        ServeBenchOptions.quick_preset(scenarios=("slow_remote_lossless",))
+    ) == (not loopback_only())
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -411,6 +423,34 @@ async def test_scraped_metrics_carry_lmprefetchs_connector_counters() -> None:
         out = await scrape_metrics(client)
     assert out["lmprefetch_policy_skipped"] == 5.0 and out["prompt_tokens"] == 2080.0
     assert not any(k.endswith("_created") for k in out)
+
+
+def test_the_codec_link_scenario_has_its_goal_beside_the_plain_one() -> None:
+    """``slow_remote_lossless`` is ``slow_remote_always`` with ``redis_codec`` set: its goal
+    is its TTFT p50 over the plain one's, from the same run, and the report shows the codec
+    and the bytes Redis sent (fewer than the hit's KV)."""
+    from lmprefetch.bench.serve import _finite
+    from lmprefetch.bench.serve.report import format_report, summarize
+
+    result = _link_result({"slow_remote_always": 1000.0})
+    plain = result["raw"]["slow_remote_always"]
+    lossless = dict(plain, redis_codec="lossless", redis_sent_bytes=int(6144 * 4096 * 0.69))
+    stats = plain["long_doc_qa"]
+    lossless["long_doc_qa"] = type(stats)(**{**vars(stats), "ttft_s": [0.63, 0.7, 0.77]})
+    result["raw"]["slow_remote_lossless"] = lossless
+    result["settings"]["scenarios"] = ["slow_remote_always", "slow_remote_lossless"]
+    summary = summarize(result)
+    doc = json.loads(json.dumps(_finite(summary)))
+    entry = doc["scenarios"]["slow_remote_lossless"]
+    assert entry["redis_codec"] == "lossless"
+    assert doc["scenarios"]["slow_remote_always"]["redis_codec"] == "none"
+    assert math.isclose(entry["redis_sent_vs_hit_bytes"], 0.69, rel_tol=1e-6)
+    goal = {g["key"]: g for g in doc["goals"]}["slow_remote_lossless_vs_always"]
+    assert math.isclose(goal["figure"], 0.7) and goal["met"] is True and goal["limit"] == 0.75
+    assert goal["p50_ms"] == {"slow_remote_lossless": 700.0, "slow_remote_always": 1000.0}
+    text = format_report(summary)
+    assert "(redis_codec none): 0.70 (goal <= 0.75) [met]" in text
+    assert "slow_remote_lossless 700 ms" in text
 
 
 # -- the decision tables (issue 31) -------------------------------------------------------------

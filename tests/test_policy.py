@@ -30,6 +30,7 @@ from lmprefetch.policy import (
     TierCost,
     make_policy,
 )
+from lmprefetch.tiers.base import TierStats
 
 from .fakes import ThrottledTier
 from .helpers import (
@@ -101,6 +102,39 @@ def test_cost_policy_counts_concurrent_tiers_once() -> None:
     b = HitPart("b", 2, 2 * PAYLOAD, False, TierCost(0.010, 100 * MB))
     # Each part: 10 ms + 1.3 ms; 4 chunks (256 tokens) at 20,000 tokens/s: 12.8 ms.
     assert CostPolicy().chunks_to_load(_request([a, b], 20_000)) == 4
+
+
+def test_a_tiers_decoding_counts_in_its_cost() -> None:
+    """A tier whose chunks must be decoded costs the decoding too (``TierCost.seconds``):
+    a transfer that alone is worth loading is not once a slow decode is added."""
+    fast_link = TierCost(latency_s=0.001, bytes_per_s=1_000 * MB)
+    slow_decode = TierCost(latency_s=0.001, bytes_per_s=1_000 * MB, decode_bytes_per_s=5 * MB)
+    assert slow_decode.seconds(PAYLOAD) == pytest.approx(
+        fast_link.seconds(PAYLOAD) + PAYLOAD / (5 * MB)
+    )
+    plain = HitPart("redis", 4, 4 * PAYLOAD, False, fast_link)
+    decoded = HitPart("redis", 4, 4 * PAYLOAD, False, slow_decode)
+    assert CostPolicy().chunks_to_load(_request([plain], 10_000)) == 4
+    assert CostPolicy().chunks_to_load(_request([decoded], 10_000)) == 0
+
+
+def test_a_tiers_throughput_is_measured_past_its_decoding() -> None:
+    """The tier statistics keep the decode rate apart: a load's throughput is its bytes over
+    the time left once the latency and the decoding (at the measured rate) are taken out, so
+    the cost model does not count the decoding twice."""
+    stats = TierStats()
+    stats.observe_probe(0.010)
+    stats.observe_decoded(10 * MB, 4 * MB, 0.050)  # 10 MB decoded at 200 MB/s
+    assert stats.decode_bytes_per_s_ewma == pytest.approx(200 * MB)
+    assert stats.encoded_bytes_loaded == 4 * MB and stats.decode_seconds == 0.050
+    stats.observe_load(10 * MB, 0.010 + 0.050 + 0.100)  # latency, decoding, 100 ms transfer
+    assert stats.load_bytes_per_s_ewma == pytest.approx(100 * MB)
+    cost = stats.cost()
+    assert cost.seconds(10 * MB) == pytest.approx(0.160)
+    # A chunk stored as it is moves the counts only, not the decode rate.
+    stats.observe_decoded(1 * MB, 1 * MB, 0.0, decoded=False)
+    assert stats.decode_bytes_per_s_ewma == pytest.approx(200 * MB)
+    assert stats.encoded_bytes_loaded == 5 * MB
 
 
 def test_prefill_model_fits_the_rate_beside_a_fixed_step_overhead() -> None:

@@ -152,8 +152,8 @@ def _map_keys(buf: bytes) -> list[str]:
 
 def test_byte_layout() -> None:
     req = encode(LookupRequestMsg("r", [1], [256]))
-    # fixmap of 8 entries, then the fixstr key "type" and the fixstr class name.
-    assert req[0] == 0x80 | 8
+    # fixmap of 9 entries, then the fixstr key "type" and the fixstr class name.
+    assert req[0] == 0x80 | 9
     assert req[1:6] == b"\xa4type"
     assert req[6:7] == bytes([0xA0 | len("LookupRequestMsg")])
     assert req[7:23] == b"LookupRequestMsg"
@@ -166,6 +166,7 @@ def test_byte_layout() -> None:
         "seq",
         "deadline_ms",
         "skip_chunks",
+        "tenant",
     ]
 
     resp = encode(LookupResponseMsg("r", 1))

@@ -292,6 +292,8 @@ def test_missing_required_options() -> None:
         ('disk_codec = "zip"', ["disk_codec", "must be one of", "bitround<N>"]),
         ('redis_codec = "int8"\nkv_dtype = "int8"', ["redis_codec", "floating-point kv_dtype"]),
         ('mooncake_codec = "bitround7"', ["mooncake_codec", "N from 1 to 6"]),
+        ('disk_codec = "int4"\ncodec_group = 63', ["codec_group", "int4", "even, got 63"]),
+        ("codec_group = 0", ["codec_group"]),
     ],
 )
 def test_a_bad_codec_setting_names_the_field(

@@ -16,6 +16,10 @@ Mooncake's client, everywhere) and the fake tier the engine tests use:
   deleted behind the tier's back between probe and load) ends it;
 * pins and loads stay balanced under a seeded random workload checked against a model.
 
+The ``*_sealed`` kinds run the disk, Redis and Mooncake (fake) tiers with a codec stage that
+is not a passthrough (``lossless`` and encryption): their loads go through staging and decoding
+threads, their writes through encoding, and every rule above must hold all the same.
+
 Real-I/O tiers use the real clock under an outer ``fail_after``.
 """
 
@@ -34,6 +38,7 @@ import pytest
 import trio
 import trio.testing
 
+from lmprefetch.codec import ChunkStage, TenantCipher, get_codec
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena, Buffer
 from lmprefetch.tiers import chunkfile
@@ -74,7 +79,20 @@ KINDS = [
     pytest.param("redis_cluster", marks=redis_marks),
     pytest.param("mooncake", marks=needs_mooncake),
     "mooncake_fake",
+    # The same tiers through a codec stage that is not a passthrough.
+    "disk_sealed",
+    pytest.param("redis_sealed", marks=redis_marks),
+    pytest.param("mooncake_sealed", marks=needs_mooncake),
+    "mooncake_fake_sealed",
 ]
+
+
+def sealed_stage(kind: str) -> ChunkStage | None:
+    """``lossless`` and encryption for the ``*_sealed`` kinds (``None``: payloads as they
+    are)."""
+    if not kind.endswith("_sealed"):
+        return None
+    return ChunkStage(get_codec("lossless", dtype="bfloat16"), TenantCipher(bytes(range(32))))
 
 
 def key(h: int) -> ChunkKey:
@@ -181,13 +199,13 @@ def raw_delete(url: str, name: bytes) -> None:
 @pytest.fixture(params=KINDS)
 def kind_and_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
     kind: str = request.param
-    if kind == "redis":
+    if kind in ("redis", "redis_sealed"):
         server: RedisServer = request.getfixturevalue("redis_server")
         return kind, server.url
     if kind == "redis_cluster":
         cluster: RedisCluster = request.getfixturevalue("redis_cluster")
         return kind, cluster.url
-    if kind == "mooncake":
+    if kind in ("mooncake", "mooncake_sealed"):
         master: MooncakeMaster = request.getfixturevalue("mooncake_master")
         return kind, master.address
     return kind, None
@@ -212,13 +230,14 @@ async def opened(kind: str, url: str | None, arena: Arena, path: Path) -> AsyncI
                 await cpu.aclose()
         elif kind == "fake":
             yield Harness(kind, FakeTier(), arena)
-        elif kind == "disk":
+        elif kind.startswith("disk"):
             async with open_disk_tier(
-                str(path), capacity_bytes=1 << 26, read_threads=3, write_queue=256, o_direct=False
-            ) as disk:
+                str(path), capacity_bytes=1 << 26, read_threads=3, write_queue=256, o_direct=False,
+                stage=sealed_stage(kind),
+            ) as disk:  # fmt: skip
                 yield Harness(kind, disk, arena, path=path)
         elif kind.startswith("mooncake"):
-            real = kind == "mooncake"
+            real = kind in ("mooncake", "mooncake_sealed")
             async with open_mooncake_tier(
                 url if real else "127.0.0.1:1",
                 arena=arena,
@@ -226,12 +245,15 @@ async def opened(kind: str, url: str | None, arena: Arena, path: Path) -> AsyncI
                 timeout_s=10.0,  # the longest the tier allows; Mooncake's own are set apart
                 write_queue=256,
                 store_factory=None if real else FakePool().factory(),
+                stage=sealed_stage(kind),
             ) as mooncake:
                 await mooncake.wait_connected()
                 yield Harness(kind, mooncake, arena, url=url)
         else:
             assert url is not None
-            async with open_redis_tier(url, timeout_s=LIMIT_S / 4, threads=4, write_queue=256) as r:
+            async with open_redis_tier(
+                url, timeout_s=LIMIT_S / 4, threads=4, write_queue=256, stage=sealed_stage(kind)
+            ) as r:
                 yield Harness(kind, r, arena, url=url)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1008,6 +1009,25 @@ def test_unknown_extra_config_field_is_named(model_dir: Path) -> None:
         LMPrefetchConnector(config, KVConnectorRole.WORKER, KVCacheConfig(1, [], []))
 
 
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"redis_codec": "zip"}, "redis_codec: must be one of"),
+        ({"disk_codec": "int4", "codec_group": 63}, "codec_group: the int4 codec"),
+        ({"encryption_key_file": "/nonexistent/key"}, "encryption_key_file: cannot read"),
+    ],
+)
+def test_a_bad_codec_or_key_setting_stops_the_connector_with_its_field(
+    model_dir: Path, extra: dict[str, object], words: str
+) -> None:
+    """Start-up, in every role: one sentence that names the field (vLLM reports it and
+    exits), before anything is stored."""
+    config = make_vllm_config(model_dir, extra=extra)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            LMPrefetchConnector(config, role, KVCacheConfig(1, [], []))
+
+
 def test_config_file_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "lmprefetch.toml"
     path.write_text('[lmprefetch]\nchunk_size = 128\nmodel_name = "m"\nclaim_ttl_s = 5\n')
@@ -1024,6 +1044,8 @@ def test_derived_fields_and_explicit_chunk_bytes(make_harness: Any) -> None:
     assert config.kv_dtype == "float32"
     assert config.chunk_bytes == 2 * len(LAYERS) * BLOCK * ROW * 4  # exactly one chunk
     assert config.model_name == str(h.vllm_config.model_config.model)
+    # The lossy codecs' scales: one per token and head.
+    assert config.codec_group == h.vllm_config.model_config.get_head_size()
     with pytest.raises(ValueError, match="chunk_bytes: 1024 is smaller than one chunk"):
         make_harness(extra={"chunk_bytes": 1024})
 

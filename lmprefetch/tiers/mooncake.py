@@ -76,6 +76,20 @@ payload is stored as is, which keeps loads and stores zero-copy.
 **Pins.**  Nothing is pinned remotely; the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s
 bookkeeping so ``pinned_count()`` shows what the engine still has to unpin.
 
+**Codecs.**  With the codec ``none`` and no encryption (the tier's
+:class:`~lmprefetch.codec.ChunkStage` is a passthrough) the transfers stay zero-copy as above;
+an object written under another codec is recognised by its first bytes after the get and
+decoded in place (in the same thread).  With a codec or encryption (``mooncake_codec``,
+``encryption_key_file``; docs/codecs.md), the tier moves chunks through a small *staging*
+arena of its own (registered with Mooncake like the engine's): the writer's thread encodes
+each chunk into a staging slot and puts it from there; a load gets objects into staging slots
+and its thread decodes them into the arena buffers (zstd and numpy release the GIL).  At most
+``_STAGING_SLOTS`` slots are in use at once (a FIFO weighted limiter hands them out; a staged
+load or write batch takes at most ``_STAGED_BATCH_KEYS``).  An object the stage refuses
+(damaged, unknown, another tenant's) is a miss, counted in ``stats.codec_misses``; objects
+are immutable, so the tier remembers the key as bad (a probe stops there) until its writer
+has removed the object and stored a good one.
+
 The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 ``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
@@ -85,6 +99,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -92,8 +107,11 @@ from typing import Any, Final, TypeVar
 
 import trio
 
+from ..codec import ChunkStage, CodecMiss
+from ..codec.stage import Decodes
 from ..config import MOONCAKE_SEGMENT_MIN, PrefetchConfig, parse_host_port
 from ..keys import ChunkKey
+from ..limiter import WeightedCapacityLimiter
 from ..memory import Arena, Buffer
 from .mooncake_store import (
     INVALID_PARAMS,
@@ -135,6 +153,9 @@ _LOAD_BATCH_BYTES: Final = 32 * 1024 * 1024
 # One write batch: one batch_put_from.
 _WRITE_BATCH_KEYS: Final = 16
 _WRITE_BATCH_BYTES: Final = 32 * 1024 * 1024
+#: Slots of the staging arena (a codec or encryption on), and the most one batch takes.
+_STAGING_SLOTS: Final = 16
+_STAGED_BATCH_KEYS: Final = 8
 
 #: Threads (concurrent Mooncake calls) per tier.
 DEFAULT_THREADS: Final = 4
@@ -174,6 +195,80 @@ def _get_into(
 ) -> list[int]:
     """Read each object into its buffer (the thread that writes arena memory)."""
     return list(store.batch_get_into(names, addresses, sizes))
+
+
+def _get_decoded(
+    store: MooncakeStore,
+    names: list[str],
+    addresses: list[int],
+    sizes: list[int],
+    bufs: Sequence[Buffer],
+    staged: Sequence[Buffer] | None,
+    stage: ChunkStage,
+    key_names: list[bytes],
+    tenant: bytes,
+) -> tuple[list[int], Decodes]:
+    """Get each object (into the ``staged`` buffers, or straight into ``bufs``), then decode
+    each one got into its buffer, in order, until one is refused (the thread that writes
+    arena memory: never abandoned); Mooncake's result per key, and what the decoding did."""
+    results = _get_into(store, names, addresses, sizes)
+    done = Decodes(stage)
+    for i, rc in enumerate(results):
+        if not 0 < rc <= sizes[i]:
+            break
+        with bufs[i].slot() as slot:
+            if staged is None:  # the object is in the slot already (maybe encoded elsewhere)
+                ok = done.in_place(slot, rc, key_name=key_names[i], tenant=tenant)
+            else:
+                with staged[i].slot() as stored:
+                    ok = done.into(stored[:rc], slot, key_name=key_names[i], tenant=tenant)
+        if not ok:
+            break
+    return results, done
+
+
+def _encode_put(
+    store: MooncakeStore,
+    names: list[str],
+    addresses: list[int],
+    sizes: list[int],
+    bufs: Sequence[Buffer],
+    staged: Sequence[Buffer],
+    stage: ChunkStage,
+    key_names: list[bytes],
+    tenants: list[bytes],
+) -> tuple[list[int], list[int], float]:
+    """Encode each buffer's payload into its staging buffer and put them all from there (the
+    thread that reads arena memory: never abandoned); Mooncake's result per key (an encoding
+    larger than its staging slot is not put: ``INVALID_PARAMS``), the stored bytes of each
+    (-1 for those), and the seconds encoding took."""
+    t0 = time.perf_counter()
+    lengths: list[int] = []
+    for buf, dest, key_name, tenant in zip(bufs, staged, key_names, tenants, strict=True):
+        with buf.view() as payload:
+            stored = stage.encode(payload, key_name=key_name, tenant=tenant)
+        n = memoryview(stored).nbytes
+        if n > dest.capacity:
+            lengths.append(-1)
+            continue
+        dest.write(stored)
+        lengths.append(n)
+    seconds = time.perf_counter() - t0
+    fits = [i for i, n in enumerate(lengths) if n > 0]
+    put = (
+        _put_from(
+            store,
+            [names[i] for i in fits],
+            [addresses[i] for i in fits],
+            [lengths[i] for i in fits],
+        )
+        if fits
+        else []
+    )
+    results = [INVALID_PARAMS] * len(names)
+    for i, rc in zip(fits, put, strict=False):
+        results[i] = rc
+    return results, lengths, seconds
 
 
 def _put_from(
@@ -216,6 +311,8 @@ class MooncakeTier(RemoteTier):
         rdma_devices: RDMA devices (``protocol="rdma"``; empty: Mooncake chooses).
         store_factory: makes a client (default: a ``MooncakeDistributedStore``; tests pass a
             fake).
+        stage: the codec stage (``mooncake_codec``, encryption); ``None``: payloads as they
+            are (zero-copy).
 
     Raises:
         ValueError: a setting is out of range (``master`` not ``host:port``, ...).
@@ -240,6 +337,7 @@ class MooncakeTier(RemoteTier):
         backoff_max_s: float = 30.0,
         rdma_devices: str = "",
         store_factory: Callable[[], MooncakeStore] | None = None,
+        stage: ChunkStage | None = None,
     ) -> None:
         parse_host_port(master)
         super().__init__(
@@ -248,6 +346,7 @@ class MooncakeTier(RemoteTier):
             write_queue=write_queue,
             backoff_initial_s=backoff_initial_s,
             backoff_max_s=backoff_max_s,
+            stage=stage,
         )
         if segment_bytes != 0 and segment_bytes < MOONCAKE_SEGMENT_MIN:
             raise ValueError(
@@ -269,6 +368,11 @@ class MooncakeTier(RemoteTier):
         self._connected = trio.Event()  # set on the Trio thread once a client is set up
         self._arenas: list[Arena] = []  # registered (to be registered) with every client
         self._registered: dict[int, Arena] = {}  # id(arena) -> arena, on the current client
+        # Staging (a codec or encryption on): made on first use, slots handed out in FIFO
+        # order; keys whose object the stage refused, until the writer replaces it.
+        self._staging: Arena | None = None
+        self._staging_slots = WeightedCapacityLimiter(_STAGING_SLOTS)
+        self._refused: set[ChunkKey] = set()
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -426,20 +530,37 @@ class MooncakeTier(RemoteTier):
     async def _transfer(
         self,
         what: str,
-        op: Callable[[MooncakeStore, list[str], list[int], list[int]], list[int]],
+        op: Callable[..., _T],
         names: list[str],
         bufs: Sequence[Buffer],
         sizes: list[int],
-    ) -> list[int]:
-        """``op`` (``_get_into`` or ``_put_from``) on ``bufs``' slots, in a thread that is
-        never abandoned, after registering any arena of theirs the client does not know yet;
-        a result code per name.  Raises :class:`~lmprefetch.tiers.remote.Unavailable` as
-        :meth:`_call` does."""
+        *args: Any,
+    ) -> _T:
+        """``op(store, names, addresses, sizes, *args)`` (``_get_decoded``, ``_put_from``,
+        ``_encode_put``) on ``bufs``' slots, in a thread that is never abandoned, after
+        registering any arena of theirs the client does not know yet.  Raises
+        :class:`~lmprefetch.tiers.remote.Unavailable` as :meth:`_call` does."""
         arenas = self._unregistered(bufs)
         if arenas:
             await self._call("register_buffer", self._register, arenas, touches_arena=False)
         addresses = [_slot_address(buf) for buf in bufs]
-        return await self._call(what, op, names, addresses, sizes, touches_arena=True)
+        return await self._call(what, op, names, addresses, sizes, *args, touches_arena=True)
+
+    @contextlib.asynccontextmanager
+    async def _staging_buffers(self, n: int, capacity: int) -> AsyncIterator[list[Buffer]]:
+        """Up to ``n`` staging slots, each holding a stored chunk of a payload of
+        ``capacity`` bytes, for the block (waiting, in FIFO order, while others use them;
+        fewer only when ``n`` is more than the staging arena has).  Released on exit."""
+        async with self._staging_slots.hold(n) as granted:
+            if self._staging is None:
+                slot_bytes = -(-self.stage.max_read_bytes(capacity) // 4096) * 4096
+                self._staging = Arena(slot_bytes, _STAGING_SLOTS)
+            staging = self._staging
+            bufs = staging.allocate_many(granted)  # never short: the limiter counts them
+            try:
+                yield bufs
+            finally:
+                staging.release_all(bufs)
 
     def _unregistered(self, bufs: Sequence[Buffer]) -> list[Arena]:
         seen: list[Arena] = []
@@ -484,9 +605,11 @@ class MooncakeTier(RemoteTier):
         except Unavailable:
             return 0
         n = 0
-        while n < len(found) and found[n] == 1:
+        while n < len(found) and found[n] == 1 and keys[n] not in self._refused:
             n += 1
-        if n < len(found):
+        if n < len(found) and found[n] == 1:  # a key whose object the stage refused
+            self._succeeded()
+        elif n < len(found):
             if found[n] == 0:
                 # Evicted by Mooncake, or removed by another engine: a probe is how we learn.
                 self._note_removed(keys[n])
@@ -500,14 +623,18 @@ class MooncakeTier(RemoteTier):
             self._succeeded()
         return n
 
-    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
-        """Fill ``buffers[i]`` with ``keys[i]``'s payload straight from the store; the
-        contiguous count filled.
+    async def load(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], *, tenant: bytes = b""
+    ) -> int:
+        """Fill ``buffers[i]`` with ``keys[i]``'s payload from the store (straight into the
+        buffers, or through staging slots with a codec or encryption on; sealed chunks opened
+        for ``tenant``); the contiguous count filled.
 
-        ``batch_get_into`` in batches of at most ``_LOAD_BATCH_KEYS`` keys and
-        ``_LOAD_BATCH_BYTES`` of buffer capacity, in order.  Stops at the first key that is
-        missing, larger than its buffer or failed (D13) and returns the count before it; a
-        down or slow store ends the prefix there (counted, backing off), never raises.
+        ``batch_get_into`` in batches of at most ``_LOAD_BATCH_KEYS`` keys
+        (``_STAGED_BATCH_KEYS`` staged) and ``_LOAD_BATCH_BYTES`` of buffer capacity, in
+        order.  Stops at the first key that is missing, larger than its buffer, refused by the
+        codec stage or failed (D13) and returns the count before it; a down or slow store ends
+        the prefix there (counted, backing off), never raises.
 
         On cancellation raises ``Cancelled`` once the batch in flight has finished (its thread
         writes into the buffers and is never abandoned), so nothing writes into a buffer after
@@ -516,35 +643,41 @@ class MooncakeTier(RemoteTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
+        staged = not self.stage.passthrough
         batches = load_batches(
-            buffers[:total], max_bytes=_LOAD_BATCH_BYTES, max_keys=_LOAD_BATCH_KEYS
+            buffers[:total],
+            max_bytes=_LOAD_BATCH_BYTES,
+            max_keys=_STAGED_BATCH_KEYS if staged else _LOAD_BATCH_KEYS,
         )
         for start, end in batches:
             bufs = buffers[start:end]
             names = [mooncake_key(key) for key in keys[start:end]]
+            key_names = [key.to_string().encode() for key in keys[start:end]]
             try:
-                results = await self._transfer(
-                    "batch_get_into", _get_into, names, bufs, [buf.capacity for buf in bufs]
+                results, done = await self._get_batch(
+                    names, bufs, key_names, tenant, staged=staged
                 )
             except Unavailable:
                 break
-            filled = 0
-            for buf, rc in zip(bufs, results, strict=False):
-                if 0 < rc <= buf.capacity:
-                    buf.length = rc
-                    loaded_bytes += rc
-                    filled += 1
-                    continue
+            self.stats.observe_decoded(
+                done.payload_bytes, done.stored_bytes, done.seconds, decoded=done.decoded
+            )
+            filled = len(done.lengths)
+            for buf, payload_bytes in zip(bufs, done.lengths, strict=False):
+                buf.length = payload_bytes
+            loaded_bytes += done.payload_bytes
+            if done.miss is not None:
+                self._refuse(keys[start + filled], names[filled], done.miss)
+            elif filled < len(results):
+                rc = results[filled]
                 if rc in MISSING:
                     self._note_removed(keys[start + filled])
                 elif rc != INVALID_PARAMS:  # larger than the buffer: a miss that stays there
                     self._failed("batch_get_into", f"answered {code_name(rc)} for {names[filled]}")
-                break
+            elif len(results) != len(bufs):
+                self._failed("batch_get_into", f"{len(results)} answers for {len(bufs)} keys")
             else:
-                if len(results) != len(bufs):
-                    self._failed("batch_get_into", f"{len(results)} answers for {len(bufs)} keys")
-                else:
-                    self._succeeded()
+                self._succeeded()
             n += filled
             if filled < len(bufs):
                 break
@@ -553,6 +686,35 @@ class MooncakeTier(RemoteTier):
         self.stats.chunks_loaded += n
         self.stats.bytes_loaded += loaded_bytes
         return n
+
+    async def _get_batch(
+        self,
+        names: list[str],
+        bufs: Sequence[Buffer],
+        key_names: list[bytes],
+        tenant: bytes,
+        *,
+        staged: bool,
+    ) -> tuple[list[int], Decodes]:
+        """One ``batch_get_into`` and the decoding of what it got (see :func:`_get_decoded`),
+        through staging slots when ``staged``."""
+        if not staged:
+            return await self._transfer(
+                "batch_get_into", _get_decoded, names, bufs, [buf.capacity for buf in bufs],
+                bufs, None, self.stage, key_names, tenant,
+            )  # fmt: skip
+        async with self._staging_buffers(len(bufs), max(b.capacity for b in bufs)) as staging:
+            return await self._transfer(
+                "batch_get_into", _get_decoded, names, staging, [s.capacity for s in staging],
+                bufs, staging, self.stage, key_names, tenant,
+            )  # fmt: skip
+
+    def _refuse(self, key: ChunkKey, name: str, why: CodecMiss) -> None:
+        """The codec stage refused the object under ``key``: a miss from now on (probes stop
+        there), until the writer replaces the object (objects are immutable)."""
+        self.stats.codec_misses += 1
+        self._refused.add(key)
+        log.warning("mooncake tier: object %s refused (%s)", name, why)
 
     async def remove(self, key: ChunkKey) -> bool:
         """Delete ``key`` from the store (and drop its queued write); ``True`` if it was there.
@@ -599,14 +761,40 @@ class MooncakeTier(RemoteTier):
         if not live:
             await trio.lowlevel.checkpoint()
             return
+        # An object the stage refused stays until removed (objects are immutable): remove it
+        # here, off the model's path, before a good one is put under its key.
+        for entry, _ in live:
+            if entry.key in self._refused and await self._remove_remote(entry.key):
+                self._refused.discard(entry.key)
+        if self.stage.passthrough:
+            await self._put_batch(live)
+            return
+        for first in range(0, len(live), _STAGED_BATCH_KEYS):
+            await self._put_batch(live[first : first + _STAGED_BATCH_KEYS])
+
+    async def _put_batch(self, live: list[tuple[WriteEntry, Buffer]]) -> None:
+        """One ``batch_put_from``: from the arena buffers (a passthrough stage), or from
+        staging slots the writer's thread encodes them into."""
         bufs = [buf for _, buf in live]
         names = [mooncake_key(entry.key) for entry, _ in live]
         # The entries keep their buffer references until the loop releases them after this
-        # returns: batch_put_from reads the arena, and its thread is never abandoned.
+        # returns: batch_put_from (or the encoding) reads the arena, and its thread is never
+        # abandoned.
         try:
-            results = await self._transfer(
-                "batch_put_from", _put_from, names, bufs, [buf.length for buf in bufs]
-            )
+            if self.stage.passthrough:
+                sizes = [buf.length for buf in bufs]
+                results = await self._transfer("batch_put_from", _put_from, names, bufs, sizes)
+            else:
+                capacity = max(buf.capacity for buf in bufs)
+                async with self._staging_buffers(len(bufs), capacity) as staging:
+                    results, sizes, seconds = await self._transfer(
+                        "batch_put_from", _encode_put, names, staging,
+                        [s.capacity for s in staging],
+                        bufs, staging, self.stage,
+                        [entry.key.to_string().encode() for entry, _ in live],
+                        [entry.tenant for entry, _ in live],
+                    )  # fmt: skip
+                self.stats.encode_seconds += seconds
         except Unavailable:
             self.stats.writes_dropped += len(live)
             return
@@ -615,17 +803,19 @@ class MooncakeTier(RemoteTier):
             raise
         error: str | None = None
         undo: list[ChunkKey] = []
-        for (entry, buf), rc in zip(live, results, strict=False):
+        for (entry, buf), rc, size in zip(live, results, sizes, strict=False):
             if rc in (0, OBJECT_ALREADY_EXISTS):
                 self.stats.chunks_stored += 1
                 self.stats.bytes_stored += buf.length
+                self.stats.encoded_bytes_stored += size
                 if entry.removed:  # remove(key) came while it was being stored
                     undo.append(entry.key)
                 else:
                     self._note_stored(entry.key)
             else:
                 self.stats.writes_dropped += 1
-                error = error or f"answered {code_name(rc)} for {mooncake_key(entry.key)}"
+                if size >= 0:  # (an encoding larger than its staging slot is no error)
+                    error = error or f"answered {code_name(rc)} for {mooncake_key(entry.key)}"
         self.stats.writes_dropped += max(0, len(live) - len(results))
         if error is not None:
             self._failed("batch_put_from", error)
@@ -654,6 +844,10 @@ class MooncakeTier(RemoteTier):
         if closing.cancelled_caught:
             log.warning("mooncake tier: closing the client took over %.0f s; left to finish on "
                         "its own", CLOSE_TIMEOUT_S)  # fmt: skip
+            return
+        staging, self._staging = self._staging, None
+        if staging is not None and staging.used_slots == 0:
+            staging.close()  # unregistered, and no thread uses it any more
 
 
 def _close_store(store: MooncakeStore, arenas: Sequence[Arena]) -> None:
@@ -682,6 +876,7 @@ async def open_mooncake_tier(
     backoff_initial_s: float = 0.5,
     backoff_max_s: float = 30.0,
     store_factory: Callable[[], MooncakeStore] | None = None,
+    stage: ChunkStage | None = None,
 ) -> AsyncIterator[MooncakeTier]:
     """Open the Mooncake tier and run its writer (and, until a client is set up, its
     reconnecting task) until the block exits.
@@ -707,6 +902,7 @@ async def open_mooncake_tier(
         backoff_initial_s=backoff_initial_s,
         backoff_max_s=backoff_max_s,
         store_factory=store_factory,
+        stage=stage,
     )
     if arena is not None:
         tier.add_arena(arena)
@@ -716,10 +912,10 @@ async def open_mooncake_tier(
 
 
 def open_mooncake_tier_from_config(
-    config: PrefetchConfig, arena: Arena
+    config: PrefetchConfig, arena: Arena, stage: ChunkStage | None = None
 ) -> contextlib.AbstractAsyncContextManager[MooncakeTier]:
     """:func:`open_mooncake_tier` with the ``mooncake_*`` fields of ``config``, registering
-    the engine's ``arena``."""
+    the engine's ``arena``, with the codec ``stage``."""
     assert config.mooncake_master is not None
     return open_mooncake_tier(
         config.mooncake_master,
@@ -729,4 +925,5 @@ def open_mooncake_tier_from_config(
         segment_bytes=config.mooncake_segment_bytes,
         timeout_s=config.mooncake_timeout_s,
         arena=arena,
+        stage=stage,
     )

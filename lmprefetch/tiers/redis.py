@@ -4,8 +4,11 @@ Several engines on several machines (each with its own CPU and disk tiers) share
 deployment: a chunk one engine stored is a hit for every other engine with the same model,
 world size, rank and dtype.  Each chunk is one Redis string under ``"lmprefetch:" +
 key.to_string()``; the key names the model, so two models never collide.  The value is a
-20-byte header (magic ``LMP\\x01``, payload length, xxh3-64 checksum of the payload) followed by
-the payload, so a truncated, foreign or corrupted value is recognised and treated as a miss.
+20-byte header (magic, payload length, xxh3-64 checksum of the payload) followed by the
+payload, so a truncated, foreign or corrupted value is recognised and treated as a miss.  The
+magic says what follows: ``LMP\\x01`` a payload as it is, ``LMP\\x02`` what the tier's codec
+stage made of it (an encoded or sealed chunk); a release that predates codecs knows only the
+first, so it takes an encoded value for a corrupt one (a miss), never for a payload.
 
 **Why redis-py's synchronous client in worker threads, not ``redis.asyncio``.**  ``redis.asyncio``
 runs on asyncio's event loop; this engine runs on Trio, which cannot drive asyncio coroutines
@@ -47,6 +50,14 @@ reference on the buffer and queues it, or drops the write (and counts it) when t
 or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
 the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs.
 
+**Codecs.**  The tier's :class:`~lmprefetch.codec.ChunkStage` (``redis_codec``, encryption;
+docs/codecs.md) runs in those copy threads: the writer's copy out of the arena is the encoding
+(the value holds the encoded chunk after its header), and the load's copy into the arena is the
+decoding (zstd and numpy release the GIL).  Values are read into buffers of
+:meth:`~lmprefetch.codec.ChunkStage.max_read_bytes`, so chunks written under any codec stay
+readable; a value the stage refuses (damaged, unknown, another tenant's or another key's,
+plaintext where encryption is on) is a miss, counted in ``stats.codec_misses``, and deleted.
+
 The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 ``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
 """
@@ -55,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -68,6 +80,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import SSLConnection, parse_url
 from redis.retry import Retry
 
+from ..codec import ChunkStage, CodecMiss
+from ..codec.stage import Decodes
 from ..keys import ChunkKey
 from ..memory import Buffer
 from .remote import (
@@ -91,6 +105,7 @@ __all__ = [
     "encode_value",
     "open_redis_tier",
     "redis_key",
+    "value_is_encoded",
 ]
 
 log = logging.getLogger(__name__)
@@ -98,6 +113,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _MAGIC: Final = b"LMP\x01"
+#: The magic of a value the codec stage encoded (or sealed).
+_MAGIC_ENCODED: Final = b"LMP\x02"
 # magic, payload length, xxh3-64 of the payload; little-endian, no padding.
 _HEADER: Final = struct.Struct("<4sQQ")
 #: Bytes in front of the payload in every stored value.
@@ -145,25 +162,38 @@ def redis_key(key: ChunkKey) -> bytes:
     return (KEY_PREFIX + key.to_string()).encode()
 
 
-def encode_value(payload: Any) -> bytes:
-    """Header plus ``payload`` (any bytes-like object): the value stored in Redis."""
+def encode_value(payload: Any, *, encoded: bool = False) -> bytes:
+    """Header plus ``payload`` (any bytes-like object): the value stored in Redis;
+    ``encoded``: ``payload`` is what a codec stage made of one (docs/codecs.md)."""
     view = memoryview(payload).cast("B")
-    header = _HEADER.pack(_MAGIC, view.nbytes, xxhash.xxh3_64_intdigest(view))
+    magic = _MAGIC_ENCODED if encoded else _MAGIC
+    header = _HEADER.pack(magic, view.nbytes, xxhash.xxh3_64_intdigest(view))
     return b"".join((header, view))
 
 
 def decode_value(raw: bytes) -> memoryview | None:
     """The payload of a stored value, or ``None`` when ``raw`` is not a valid value (too short,
     wrong magic, wrong length, bad checksum)."""
+    checked = _check_value(raw)
+    return None if checked is None else checked[0]
+
+
+def value_is_encoded(raw: bytes) -> bool:
+    """Whether a stored value holds what a codec stage made of a payload (its magic)."""
+    return raw[: len(_MAGIC_ENCODED)] == _MAGIC_ENCODED
+
+
+def _check_value(raw: bytes) -> tuple[memoryview, bool] | None:
+    """A valid value's payload, and whether it is encoded; ``None`` for an invalid one."""
     if len(raw) < HEADER_BYTES:
         return None
     magic, length, checksum = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or length != len(raw) - HEADER_BYTES:
+    if magic not in (_MAGIC, _MAGIC_ENCODED) or length != len(raw) - HEADER_BYTES:
         return None
     payload = memoryview(raw)[HEADER_BYTES:]
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         return None
-    return payload
+    return payload, magic == _MAGIC_ENCODED
 
 
 # -- what runs in worker threads (never touches arena memory) ------------------------------
@@ -188,63 +218,90 @@ def _exists_prefix(client: RedisClient, names: Sequence[bytes]) -> tuple[int, Ba
 
 def _get_prefix(
     client: RedisClient, names: Sequence[bytes], capacities: Sequence[int]
-) -> tuple[list[memoryview], BaseException | None, bool]:
-    """Pipelined GET; the verified payloads of the leading values, the error that stopped them
-    (if any), and whether a corrupt value stopped them (it is then deleted, best effort).  A
-    valid value larger than its buffer also stops them (a miss here; it stays in Redis for
-    engines with larger slots)."""
+) -> tuple[list[tuple[memoryview, bool]], BaseException | None, bool]:
+    """Pipelined GET; the verified payloads of the leading values (each with whether it is
+    encoded), the error that stopped them (if any), and whether a corrupt value stopped them
+    (it is then deleted, best effort).  A valid value larger than its buffer also stops them
+    (a miss here; it stays in Redis for engines with larger slots)."""
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.get(name)
     results = pipe.execute(raise_on_error=False)
-    payloads: list[memoryview] = []
+    payloads: list[tuple[memoryview, bool]] = []
     for name, capacity, raw in zip(names, capacities, results, strict=True):
         if isinstance(raw, BaseException):
             return payloads, raw, False
         if raw is None:  # a hole: stop, never pair later values with earlier keys (D13)
             break
-        payload = decode_value(raw)
-        if payload is None:
+        checked = _check_value(raw)
+        if checked is None:
             try:
                 client.delete(name)
             except redis.RedisError:
                 pass  # best effort: the value is a miss either way
             return payloads, None, True
-        if payload.nbytes > capacity:
+        if checked[0].nbytes > capacity:
             break
-        payloads.append(payload)
+        payloads.append(checked)
     return payloads, None, False
 
 
 def _set_all(
     client: RedisClient, items: Sequence[tuple[bytes, bytes]]
-) -> tuple[list[bool], int, BaseException | None]:
-    """Pipelined SET; which succeeded, their payload bytes, and the first error."""
+) -> tuple[list[bool], BaseException | None]:
+    """Pipelined SET; which succeeded, and the first error."""
     pipe = client.pipeline(transaction=False)
     for name, value in items:
         pipe.set(name, value)
     results = pipe.execute(raise_on_error=False)
     ok: list[bool] = []
-    ok_bytes = 0
     error: BaseException | None = None
-    for (_, value), result in zip(items, results, strict=True):
+    for result in results:
         if isinstance(result, BaseException):
             error = error or result
             ok.append(False)
         else:
             ok.append(True)
-            ok_bytes += len(value) - HEADER_BYTES
-    return ok, ok_bytes, error
+    return ok, error
 
 
-def _copy_into(payloads: Sequence[memoryview], buffers: Sequence[Buffer]) -> None:
-    for payload, buf in zip(payloads, buffers, strict=False):
-        buf.slot()[: payload.nbytes] = payload
-        buf.length = payload.nbytes
+def _copy_into(
+    payloads: Sequence[tuple[memoryview, bool]],
+    buffers: Sequence[Buffer],
+    stage: ChunkStage,
+    key_names: Sequence[bytes],
+    tenant: bytes,
+) -> Decodes:
+    """Decode each stored value (with whether it is encoded) into its buffer, in order, until
+    one is refused or is a payload larger than its buffer (the thread that writes arena
+    memory); what it did."""
+    done = Decodes(stage)
+    for (payload, encoded), buf, name in zip(payloads, buffers, key_names, strict=False):
+        with buf.slot() as slot:
+            if stage.is_raw(payload, encoded) and payload.nbytes > slot.nbytes:
+                break  # a payload larger than this engine's slots: a miss, left in Redis
+            if not done.into(payload, slot, key_name=name, tenant=tenant, encoded=encoded):
+                break
+        buf.length = done.lengths[-1]
+    return done
 
 
-def _encode_all(items: Sequence[tuple[bytes, Buffer]]) -> list[tuple[bytes, bytes]]:
-    return [(name, encode_value(buf.view())) for name, buf in items]
+def _encode_all(
+    stage: ChunkStage, items: Sequence[tuple[bytes, bytes, Buffer, bytes]]
+) -> tuple[list[tuple[bytes, bytes]], list[int], float]:
+    """The values to SET for ``(redis key, chunk key name, buffer, tenant)`` items (the thread
+    that reads arena memory), the stored bytes of each, and the seconds encoding took."""
+    t0 = time.perf_counter()
+    values: list[tuple[bytes, bytes]] = []
+    sizes: list[int] = []
+    encoded = stage.encodes()
+    for name, key_name, buf, tenant in items:
+        with buf.view() as payload:
+            stored = stage.encode(payload, key_name=key_name, tenant=tenant)
+            sizes.append(memoryview(stored).nbytes)
+            values.append((name, encode_value(stored, encoded=encoded)))
+    seconds = 0.0 if stage.passthrough else time.perf_counter() - t0
+    return values, sizes, seconds
 
 
 def _parse_endpoints(url: str) -> list[dict[str, Any]]:
@@ -274,6 +331,7 @@ class RedisTier(RemoteTier):
         write_queue: writes waiting for the writer; past it writes are dropped and counted.
         backoff_initial_s: first backoff after a failure; doubles on every further failure.
         backoff_max_s: ceiling of the backoff.
+        stage: the codec stage (``redis_codec``, encryption); ``None``: payloads as they are.
 
     Raises:
         ValueError: ``url`` is not a Redis URL or list of them.
@@ -292,6 +350,7 @@ class RedisTier(RemoteTier):
         write_queue: int = 1024,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        stage: ChunkStage | None = None,
     ) -> None:
         super().__init__(
             timeout_s=timeout_s,
@@ -299,6 +358,7 @@ class RedisTier(RemoteTier):
             write_queue=write_queue,
             backoff_initial_s=backoff_initial_s,
             backoff_max_s=backoff_max_s,
+            stage=stage,
         )
         self._endpoints = _parse_endpoints(url)
         self.cluster = len(self._endpoints) > 1
@@ -420,13 +480,16 @@ class RedisTier(RemoteTier):
             self.stats.hits += 1
         return n
 
-    async def load(self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer]) -> int:
+    async def load(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], *, tenant: bytes = b""
+    ) -> int:
         """Fill ``buffers[i]`` with ``keys[i]``'s payload; the contiguous count filled.
 
         Pipelined GETs in batches of at most 32 MiB of buffer capacity; every value is checked
-        (magic, length <= the buffer's capacity, checksum).  Stops at the first missing, corrupt
-        or failed value (D13) and returns the count before it; a down or slow server ends the
-        prefix there (counted, backing off), it never raises.
+        (magic, length, checksum) and decoded by the codec stage (sealed chunks opened for
+        ``tenant``).  Stops at the first missing, corrupt, undecodable or failed value (D13)
+        and returns the count before it; a down or slow server ends the prefix there (counted,
+        backing off), it never raises.
 
         On cancellation raises ``Cancelled``; a fetch in flight is abandoned (its bytes are
         dropped), a copy into buffers in flight finishes first, so nothing writes into a buffer
@@ -435,22 +498,39 @@ class RedisTier(RemoteTier):
         total = min(len(keys), len(buffers))
         n = 0
         loaded_bytes = 0
+        stage = self.stage
         for start, end in load_batches(buffers[:total], max_bytes=_LOAD_BATCH_BYTES):
             names = [redis_key(key) for key in keys[start:end]]
-            capacities = [buf.capacity for buf in buffers[start:end]]
+            capacities = [stage.max_read_bytes(buf.capacity) for buf in buffers[start:end]]
             try:
                 payloads, error, corrupt = await self._remote(
                     "GET", partial(_get_prefix, names=names, capacities=capacities)
                 )
             except Unavailable:
                 break
+            filled = 0
+            refused: CodecMiss | None = None
             if payloads:
-                await trio.to_thread.run_sync(
-                    _copy_into, payloads, buffers[start:end], abandon_on_cancel=False
+                got = keys[start : start + len(payloads)]
+                key_names = [key.to_string().encode() for key in got]
+                done = await trio.to_thread.run_sync(
+                    _copy_into, payloads, buffers[start:end], stage, key_names, tenant,
+                    abandon_on_cancel=False,
+                )  # fmt: skip
+                self.stats.observe_decoded(
+                    done.payload_bytes, done.stored_bytes, done.seconds, decoded=done.decoded
                 )
-            n += len(payloads)
-            loaded_bytes += sum(p.nbytes for p in payloads)
+                filled = len(done.lengths)
+                loaded_bytes += done.payload_bytes
+                refused = done.miss
+            n += filled
+            complete = filled == len(payloads)
             del payloads
+            if refused is not None:
+                await self._refused(keys[n], names[n - start], refused)
+                break
+            if not complete:  # a value larger than this engine's buffers: left in Redis
+                break
             if error is not None:
                 self._failed("GET", error)
                 break
@@ -466,6 +546,17 @@ class RedisTier(RemoteTier):
         self.stats.chunks_loaded += n
         self.stats.bytes_loaded += loaded_bytes
         return n
+
+    async def _refused(self, key: ChunkKey, name: bytes, why: CodecMiss) -> None:
+        """The codec stage refused the value under ``key``: count it, and delete it (best
+        effort) so that the next store writes a good one."""
+        self.stats.codec_misses += 1
+        log.warning("redis tier: value under %s refused (%s); dropped", name.decode(), why)
+        try:
+            await self._remote("DEL", lambda client: client.delete(name))
+        except Unavailable:
+            pass  # a miss either way
+        self._note_removed(key)
 
     async def remove(self, key: ChunkKey) -> bool:
         """Delete ``key`` from Redis; ``False`` if it was not there or Redis is unavailable."""
@@ -483,25 +574,34 @@ class RedisTier(RemoteTier):
         live = [e for e in batch if not e.removed and e.buffer is not None]
         for entry in batch:
             entry.written = True  # accounted below, or counted dropped by the loop if cancelled
-        # Copy out of the arena in a thread that is never abandoned, then let go of the buffers
-        # at once: the network part below may be abandoned and never sees arena memory.
-        taken = [(e.key, e.take_buffer()) for e in live]
-        keys = [key for key, buf in taken if buf is not None]
-        owned = [(redis_key(key), buf) for key, buf in taken if buf is not None]
+        # Copy out of the arena (encoding) in a thread that is never abandoned, then let go of
+        # the buffers at once: the network part below may be abandoned and never sees arena
+        # memory.
+        taken = [(e.key, e.tenant, e.take_buffer()) for e in live]
+        keys = [key for key, _, buf in taken if buf is not None]
+        owned = [
+            (redis_key(key), key.to_string().encode(), buf, tenant)
+            for key, tenant, buf in taken
+            if buf is not None
+        ]
+        payload_bytes = [buf.length for _, _, buf, _ in owned]
         try:
             if not self._usable():
                 await trio.lowlevel.checkpoint()
                 self.stats.writes_dropped += len(owned)
                 return
-            items = await trio.to_thread.run_sync(_encode_all, owned, abandon_on_cancel=False)
+            items, sizes, seconds = await trio.to_thread.run_sync(
+                _encode_all, self.stage, owned, abandon_on_cancel=False
+            )
         except BaseException:
             self.stats.writes_dropped += len(owned)
             raise
         finally:
-            for _, buf in owned:
+            for _, _, buf, _ in owned:
                 buf.release()
+        self.stats.encode_seconds += seconds
         try:
-            ok, ok_bytes, error = await self._remote("SET", partial(_set_all, items=items))
+            ok, error = await self._remote("SET", partial(_set_all, items=items))
         except Unavailable:
             self.stats.writes_dropped += len(items)
             return
@@ -510,9 +610,10 @@ class RedisTier(RemoteTier):
             raise
         stored = sum(ok)
         self.stats.chunks_stored += stored
-        self.stats.bytes_stored += ok_bytes
-        for key, done in zip(keys, ok):
+        for key, done, n_payload, n_stored in zip(keys, ok, payload_bytes, sizes):
             if done:
+                self.stats.bytes_stored += n_payload
+                self.stats.encoded_bytes_stored += n_stored
                 self._note_stored(key)
         if error is not None:
             self.stats.writes_dropped += len(items) - stored
@@ -535,6 +636,7 @@ async def open_redis_tier(
     write_queue: int,
     backoff_initial_s: float = 0.5,
     backoff_max_s: float = 30.0,
+    stage: ChunkStage | None = None,
 ) -> AsyncIterator[RedisTier]:
     """Open the remote tier on ``url`` and run its writer until the block exits.
 
@@ -553,6 +655,7 @@ async def open_redis_tier(
         write_queue=write_queue,
         backoff_initial_s=backoff_initial_s,
         backoff_max_s=backoff_max_s,
+        stage=stage,
     )
     async with tier.running(tier.connect):
         yield tier

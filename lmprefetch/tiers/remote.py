@@ -37,6 +37,7 @@ from typing import ClassVar, Final, TypeVar
 
 import trio
 
+from ..codec import ChunkStage, get_codec
 from ..keys import ChunkKey
 from ..memory import Buffer
 from .base import BaseTier
@@ -101,6 +102,7 @@ class RemoteTier(WritesBehind, BaseTier):
         write_queue: writes waiting for the writer; past it writes are dropped and counted.
         backoff_initial_s: first back-off after a failure; doubles on every further failure.
         backoff_max_s: ceiling of the back-off.
+        stage: the codec stage (the tier's codec, encryption); ``None``: payloads as they are.
 
     Raises:
         ValueError: a setting is out of range.
@@ -118,8 +120,11 @@ class RemoteTier(WritesBehind, BaseTier):
         write_queue: int,
         backoff_initial_s: float,
         backoff_max_s: float,
+        stage: ChunkStage | None = None,
     ) -> None:
         super().__init__()
+        #: What the tier stores a payload as, and reads it back with (docs/codecs.md).
+        self.stage = stage if stage is not None else ChunkStage(get_codec("none"))
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
         if threads < 1 or write_queue < 1:
@@ -141,6 +146,11 @@ class RemoteTier(WritesBehind, BaseTier):
         self._retry_at = -math.inf
         # write-behind (Trio thread only)
         self._writes = WriteBehindQueue(write_queue, self.stats)
+
+    @property
+    def per_tenant(self) -> bool:
+        """Chunks are sealed per tenant: loads and writes take the request's tenant."""
+        return self.stage.per_tenant
 
     # -- back-off --------------------------------------------------------------------------
     @property
@@ -223,8 +233,9 @@ class RemoteTier(WritesBehind, BaseTier):
         return (self._limiter,)
 
     # -- write-behind ----------------------------------------------------------------------
-    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:
-        """Queue ``buf``'s payload for storing under ``key`` (synchronous, never blocks).
+    def enqueue_write(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
+        """Queue ``buf``'s payload for storing under ``key`` (synchronous, never blocks);
+        ``tenant`` is whom it is sealed for (with encryption on).
 
         Takes its own reference on ``buf``, held until the writer is done with the bytes.
         Returns ``False``, counting ``stats.writes_dropped``, when the queue is full or the
@@ -232,7 +243,7 @@ class RemoteTier(WritesBehind, BaseTier):
         if not self._usable():
             self.stats.writes_dropped += 1
             return False
-        return self._writes.put(key, buf)
+        return self._writes.put(key, buf, tenant=tenant)
 
     async def run_writer(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

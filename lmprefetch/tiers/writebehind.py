@@ -39,14 +39,17 @@ __all__ = ["WriteBehindQueue", "WriteEntry", "WritesBehind"]
 
 
 class WriteEntry:
-    """One queued write: ``key`` and one owner reference on ``buf`` (until released)."""
+    """One queued write: ``key``, one owner reference on ``buf`` (until released), and the
+    tenant the chunk belongs to (whom a tier that encrypts seals it for; ``b""``: the shared
+    name space)."""
 
-    __slots__ = ("_buf", "key", "removed", "seq", "written")
+    __slots__ = ("_buf", "key", "removed", "seq", "tenant", "written")
 
-    def __init__(self, key: ChunkKey, buf: Buffer, seq: int) -> None:
+    def __init__(self, key: ChunkKey, buf: Buffer, seq: int, tenant: bytes = b"") -> None:
         self.key = key
         self._buf: Buffer | None = buf
         self.seq = seq
+        self.tenant = tenant
         #: :meth:`WriteBehindQueue.remove` came for this key (while queued or being written).
         self.removed = False
         #: Set by the tier's ``write`` once the entry is accounted (stored or dropped).
@@ -107,8 +110,9 @@ class WriteBehindQueue:
         )
 
     # -- the producer side (synchronous, never blocks) -----------------------------------
-    def put(self, key: ChunkKey, buf: Buffer) -> bool:
-        """Queue a write of ``buf``'s payload under ``key``, taking an owner reference.
+    def put(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
+        """Queue a write of ``buf``'s payload under ``key`` for ``tenant``, taking an owner
+        reference.
 
         Returns:
             ``False`` (and counts ``writes_dropped``) when the queue is full or closed.
@@ -117,7 +121,7 @@ class WriteBehindQueue:
             self._stats.writes_dropped += 1
             return False
         self._put_seq += 1
-        entry = WriteEntry(key, buf.retain(), self._put_seq)
+        entry = WriteEntry(key, buf.retain(), self._put_seq, tenant)
         self._queue.append(entry)
         self._queued[key] = entry
         self._work.unpark()
@@ -255,7 +259,9 @@ class WritesBehind:
 
     _writes: WriteBehindQueue
 
-    def enqueue_write(self, key: ChunkKey, buf: Buffer) -> bool:  # pragma: no cover - abstract
+    def enqueue_write(  # pragma: no cover - abstract
+        self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b""
+    ) -> bool:
         raise NotImplementedError
 
     async def store(self, key: ChunkKey, payload: Buffer) -> bool:

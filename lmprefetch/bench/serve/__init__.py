@@ -29,8 +29,10 @@ hybrid KV cache manager on: two KV cache groups),
 only (``--scenarios``), the Redis link scenarios of the load-or-recompute policy:
 ``slow_remote_always``, ``slow_remote_recompute`` and ``slow_remote_cost`` (a server whose only
 hit tier is Redis, behind a throttled link, loading always, never and by the cost policy; the
-run then enters a private network namespace of its own, see :mod:`.link`) and the same three
-``fast_remote_*`` over an unthrottled link.
+run then enters a private network namespace of its own, see :mod:`.link`), the same three
+``fast_remote_*`` over an unthrottled link, and ``slow_remote_lossless`` and
+``slow_remote_bitround3`` (``slow_remote_always`` with ``redis_codec`` set: the chunks cross
+the link encoded, docs/codecs.md).
 
 Every process is started in its own session and stopped by its own process group
 (:mod:`.procs`); every file (model, disk tier, Redis directory, vLLM's sockets) lives in one
@@ -53,6 +55,7 @@ from typing import Any
 
 from .model import MODEL_CHOICES, choose_model
 from .options import (
+    CODEC_LINK_SCENARIOS,
     DEFAULT_SCENARIOS,
     LINK_SCENARIOS,
     SCENARIO_NAMES,
@@ -236,6 +239,7 @@ def _needs_private_netns(opts: ServeBenchOptions) -> bool:
     from ..netns import loopback_only
 
     slow = [n for (link, _), n in LINK_SCENARIOS.items() if link == "slow"]
+    slow += CODEC_LINK_SCENARIOS.values()
     return any(n in opts.scenarios for n in slow) and not loopback_only()
 
 

@@ -188,12 +188,15 @@ async def run_link_scenario(
     startups: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         ctx.progress.status("filling Redis")
+        warm_config = lmprefetch_kv_config(opts, redis_url=redis_url)
+        if sc.codec is not None:  # Redis holds the chunks as the codec stores them
+            warm_config["kv_connector_extra_config"]["redis_codec"] = sc.codec
         warm = await start_server(
             procs,
             ctx,
             f"{sc.name} server filling Redis",
             prefix_caching=True,
-            kv_transfer_config=lmprefetch_kv_config(opts, redis_url=redis_url),
+            kv_transfer_config=warm_config,
         )
         startups.append(warm.startup_s)
         await run_round(ctx, rounds[0], [warm], lambda _: 0, 1, WorkloadStats())
@@ -214,6 +217,8 @@ async def run_link_scenario(
         extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
         if supported:
             extra["load_policy"] = policy
+        if sc.codec is not None:
+            extra["redis_codec"] = sc.codec
         traced = await trio.to_thread.run_sync(has_decision_log)
         if traced:
             extra["decision_log"] = str(scenario_tmp / "decisions-{rank}.jsonl")
@@ -253,6 +258,7 @@ async def run_link_scenario(
         "link": link,
         "load_policy": policy,
         "load_policy_set": supported,
+        "redis_codec": sc.codec or "none",
         "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
         "redis_sent_bytes": sent,
         "trace": trace,

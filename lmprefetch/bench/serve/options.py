@@ -56,6 +56,8 @@ class Scenario:
             :mod:`.link`) or straight (``"fast"``): its only hit tier is Redis.
         load_policy: lmprefetch's ``load_policy`` on the measured server of a link
             scenario (``"always"``, ``"never"``: recompute, ``"cost"``).
+        codec: lmprefetch's ``redis_codec`` on both servers of a link scenario (the chunks
+            cross the link as the codec stores them); ``None``: ``"none"``.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Scenario:
     model: str | None = None
     link: str | None = None
     load_policy: str | None = None
+    codec: str | None = None
 
 
 #: The link scenarios' names: (link, load policy) → name.
@@ -77,6 +80,9 @@ LINK_SCENARIOS = {
     for link in ("slow", "fast")
     for policy, word in (("always", "always"), ("never", "recompute"), ("cost", "cost"))
 }
+#: The slow link loading always, with ``redis_codec`` set: codec → name (docs/codecs.md; each
+#: beside ``slow_remote_always``, the codec ``none``).
+CODEC_LINK_SCENARIOS = {codec: f"slow_remote_{codec}" for codec in ("lossless", "bitround3")}
 _LINK_TITLES = {
     "always": "loads every hit",
     "never": "load_policy never: recomputes",
@@ -96,6 +102,19 @@ def _link_scenarios() -> tuple[Scenario, ...]:
                 tier="redis",
                 link=link,
                 load_policy=policy,
+            )
+        )
+    for codec, name in CODEC_LINK_SCENARIOS.items():
+        out.append(
+            Scenario(
+                name,
+                "lmprefetch whose only hit tier is Redis behind a throttled link; loads every "
+                f"hit; redis_codec {codec}",
+                connector="lmprefetch",
+                tier="redis",
+                link="slow",
+                load_policy="always",
+                codec=codec,
             )
         )
     return tuple(out)

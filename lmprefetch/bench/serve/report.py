@@ -57,6 +57,12 @@ GOALS = (
         "unthrottled link: long-document QA TTFT p50, fast_remote_cost / fast_remote_always",
         1.1,
     ),
+    (
+        "slow_remote_lossless_vs_always",
+        "slow link: long-document QA TTFT p50, slow_remote_lossless (redis_codec lossless) / "
+        "slow_remote_always (redis_codec none)",
+        0.75,
+    ),
 )
 
 #: The link goals' peers: the scenarios whose p50 (the best of them) is the goal's divisor.
@@ -66,6 +72,7 @@ LINK_PEERS = {
         ("slow_remote_always", "slow_remote_recompute"),
     ),
     "fast_remote_cost_vs_always": ("fast_remote_cost", ("fast_remote_always",)),
+    "slow_remote_lossless_vs_always": ("slow_remote_lossless", ("slow_remote_always",)),
 }
 
 
@@ -146,10 +153,11 @@ def _probe(probe: ProbeResult, full_hit_tokens: int) -> dict[str, Any]:
 
 
 def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict[str, Any]:
-    """A link scenario's own figures: the link, the policy, and where its hits came from:
-    the bytes Redis sent over the measured rounds beside the bytes of the tokens vLLM counted
-    as loaded by the connector (``external_kv_transfer``); about 1 when every hit is Redis's
-    (its replies carry a few framing bytes more)."""
+    """A link scenario's own figures: the link, the policy, the codec, and where its hits
+    came from: the bytes Redis sent over the measured rounds beside the bytes of the tokens
+    vLLM counted as loaded by the connector (``external_kv_transfer``); about 1 when every hit
+    is Redis's (its replies carry a few framing bytes more), less with a ``redis_codec``
+    that shrinks the chunks."""
     external = entry["metrics"].get("external_kv_transfer", 0)
     hit_bytes = external * kv_per_token
     decisions: dict[str, Any] = {}
@@ -169,6 +177,7 @@ def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict
         "link": raw["link"],
         "load_policy": raw["load_policy"],
         "load_policy_set": raw["load_policy_set"],
+        "redis_codec": raw.get("redis_codec", "none"),
         "lmprefetch_cpu_bytes": raw["lmprefetch_cpu_bytes"],
         "redis_sent_bytes": raw["redis_sent_bytes"],
         "external_hit_bytes": hit_bytes,
@@ -415,12 +424,14 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{link.get('delay_ms', math.nan):g} ms one way.",
             "Redis sent / hit bytes: what Redis sent over the measured rounds / the KV bytes of "
             "the tokens vLLM counted as loaded by the connector (about 1: every hit from Redis).",
-            f"  {'scenario':<25}{'policy':>8}{'requests':>9}{'TTFT p50':>10}{'hit tokens':>12}"
-            f"{'Redis sent':>12}{'/ hit bytes':>13}{'policy: load/cut/skip':>23}  link",
+            f"  {'scenario':<25}{'policy':>8}{'codec':>10}{'requests':>9}{'TTFT p50':>10}"
+            f"{'hit tokens':>12}{'Redis sent':>12}{'/ hit bytes':>13}"
+            f"{'policy: load/cut/skip':>23}  link",
         ]
         for name, e in links:
             lines.append(
-                f"  {name:<25}{e['load_policy']:>8}{e['requests']:>9}{_ms(e['ttft_p50_ms']):>10}"
+                f"  {name:<25}{e['load_policy']:>8}{e['redis_codec']:>10}{e['requests']:>9}"
+                f"{_ms(e['ttft_p50_ms']):>10}"
                 f"{e['metrics'].get('external_kv_transfer', 0):>12,}"
                 f"{e['redis_sent_bytes'] / (1 << 20):>8,.1f} MiB"
                 f"{_x(e['redis_sent_vs_hit_bytes']):>13}{_policy_counts(e['metrics']):>23}"

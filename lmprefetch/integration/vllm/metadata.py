@@ -72,6 +72,9 @@ class SaveSpec:
 
     req_id: str
     keys: list[KeyBlocks]
+    #: The request's tenant (a digest of its salt): whom a worker that encrypts seals the
+    #: keys for (``b""``: the shared name space).
+    tenant: bytes = b""
 
 
 @dataclass

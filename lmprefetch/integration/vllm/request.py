@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ...codec import tenant_id
 from .metadata import KeyBlocks, LoadSpec, LookupClaim, SaveSpec
 from .tenancy import chunk_blocks
 
@@ -156,6 +157,8 @@ class ConnectorRequest:
         self._groups = ctx.groups
         self._cs = ctx.hasher.chunk_size
         self._salt = salt
+        #: The tenant its saves are sealed for (a digest of the salt; ``b""``: shared).
+        self._tenant = tenant_id(salt)
         # Windows grouped by what they need (window, retained tokens): one window lookup per
         # set, so a group with a short window is not held to a longer one's chunks.
         self._full = self._groups.of_kind("full")
@@ -263,6 +266,7 @@ class ConnectorRequest:
             hashes=sub.hashes,
             offsets=[min(cs, n - c * cs) for _, c in sub.entries],  # tokens per key's chunk
             # (every chunk is whole but a legacy request's last: answers count its tokens)
+            salt=self._salt,  # (hashed already: it names the tenant, for encryption)
         )
         sub.sent = True
         self._ctx.statistics.group_lookups += 1
@@ -621,7 +625,7 @@ class ConnectorRequest:
         if not keys:
             return None
         self._ctx.statistics.save_chunks_planned += len(keys)
-        return SaveSpec(req.request_id, keys)
+        return SaveSpec(req.request_id, keys, self._tenant)
 
     def _name(self, chunk: int) -> ChunkBlocks | None:
         """vLLM's name of chunk ``chunk`` for KV events (``None`` when events are off)."""

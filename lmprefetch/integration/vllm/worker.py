@@ -161,6 +161,12 @@ class _WorkerSide:
         if "model_name" not in explicit:
             model = str(getattr(self._vllm_config.model_config, "model", "") or "model")
             changes["model_name"] = model.replace("@", "_")
+        if "codec_group" not in explicit:
+            # A scale per token and head for the fp8/int8/int4 codecs (docs/codecs.md): every
+            # row's innermost dimension is the head size (K and V side by side on the CPU).
+            head_size = getattr(self._vllm_config.model_config, "get_head_size", None)
+            if callable(head_size) and int(head_size()) % 2 == 0:
+                changes["codec_group"] = int(head_size())
         if "kv_dtype" not in explicit:
             name = layout.kv_dtype_name
             if name is None:
@@ -329,7 +335,7 @@ class _WorkerSide:
             batch = spec.keys[first : first + _SAVE_BATCH_CHUNKS]
             try:
                 payloads = self._extract(batch)
-                stored = self._store(runtime, batch, payloads)
+                stored = self._store(runtime, batch, payloads, spec.tenant)
             except (ValueError, RuntimeError, KeyError) as exc:
                 self._statistics.save_errors += 1
                 log.warning("request %s: storing KV keys failed: %s", spec.req_id, exc)
@@ -361,12 +367,18 @@ class _WorkerSide:
         return payloads
 
     def _store(
-        self, runtime: WorkerRuntime, keys: list[KeyBlocks], payloads: list[torch.Tensor]
+        self,
+        runtime: WorkerRuntime,
+        keys: list[KeyBlocks],
+        payloads: list[torch.Tensor],
+        tenant: bytes,
     ) -> int:
-        """Store the keys: the ones KV events announce with their names, the others (other
-        groups, Mamba states) unnamed, so never announced; returns how many were stored."""
+        """Store the keys for ``tenant``: the ones KV events announce with their names, the
+        others (other groups, Mamba states) unnamed, so never announced; returns how many were
+        stored."""
         if not self._kv_events or all(k.name is None for k in keys):
-            return runtime.store_hashes([k.chunk_hash for k in keys], [p.numpy() for p in payloads])
+            hashes = [k.chunk_hash for k in keys]
+            return runtime.store_hashes(hashes, [p.numpy() for p in payloads], tenant=tenant)
         stored = 0
         named = [i for i, k in enumerate(keys) if k.name is not None]
         unnamed = [i for i, k in enumerate(keys) if k.name is None]
@@ -378,6 +390,7 @@ class _WorkerSide:
                 [keys[i].chunk_hash for i in indices],
                 [payloads[i].numpy() for i in indices],
                 blocks=names or None,
+                tenant=tenant,
             )
             stored += got
             if got < len(indices):
