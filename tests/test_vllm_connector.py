@@ -1229,6 +1229,50 @@ def restarted_from_disk(make_harness: Any, tmp_path: Path, prompt: list[int]) ->
     return after
 
 
+def saved_tenants(h: Harness, req_id: str) -> set[bytes]:
+    """Run a request to the end; the tenants its saves named."""
+    tenants: set[bytes] = set()
+    for _ in range(50):
+        if req_id not in h.scheduler.requests:
+            break
+        saves = h.step().kv_connector_metadata.saves
+        tenants |= {spec.tenant for spec in saves if spec.req_id == req_id}
+    assert req_id not in h.scheduler.requests
+    return tenants
+
+
+def test_a_tenants_chunks_are_sealed_for_it_and_opened_by_its_lookups(
+    make_harness: Any, tmp_path: Path
+) -> None:
+    """With ``encryption_key_file``, a salted request's saves name its tenant (the salt's
+    digest, never the salt), so the disk tier seals its chunks for it, and its lookups name
+    it, so a fresh connector opens them; an unsalted request's are the shared name space's."""
+    from lmprefetch.codec import tenant_id
+    from lmprefetch.integration.vllm.tenancy import LoraIdentities, request_salt
+
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    extra = {"disk_path": str(tmp_path / "disk"), "encryption_key_file": str(key)}
+    prompt = tokens_of(47, 100)
+    before = make_harness(extra=extra)
+    req = before.add("a1", prompt, cache_salt="tenant-a")
+    assert before.wait_answer("a1") == 0
+    tenant = tenant_id(request_salt(req, LoraIdentities()))
+    assert tenant != b"" and saved_tenants(before, "a1") == {tenant}
+    before.add("u1", prompt)
+    assert before.wait_answer("u1") == 0
+    assert saved_tenants(before, "u1") == {b""}
+    before.runtime.call(before.runtime.engine.flush)  # on disk now
+    before.close()
+    after: Harness = make_harness(extra=extra)
+    for req_id, kwargs in (("a2", {"cache_salt": "tenant-a"}), ("u2", {})):
+        after.add(req_id, prompt, **kwargs)
+        assert after.wait_answer(req_id) == 96, req_id  # opened from disk
+        after.run_until_finished(req_id)
+    assert after.statistics.lookup_hits == 2
+    assert_worker_idle(after.wait_worker_quiet())
+
+
 def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
     prompt = tokens_of(44, 100)
     after = restarted_from_disk(make_harness, tmp_path, prompt)
