@@ -236,20 +236,20 @@ def _worker_main(
         from lmprefetch.tiers import mooncake as mooncake_module
 
         reached, opened = threading.Event(), threading.Event()
-        real = mooncake_module._get_into
+        real = mooncake_module.calls.get_into
 
         def held(*args: Any) -> Any:
             reached.set()
             opened.wait(hang_s)
             return real(*args)
 
-        mooncake_module._get_into = held
+        mooncake_module.calls.get_into = held
         gets.update(reached=reached, opened=opened, real=real)
 
     def release_gets() -> None:
         from lmprefetch.tiers import mooncake as mooncake_module
 
-        mooncake_module._get_into = gets["real"]
+        mooncake_module.calls.get_into = gets["real"]
         gets["opened"].set()
 
     def hold_reads(paths: list[str]) -> None:

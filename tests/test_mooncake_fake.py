@@ -324,7 +324,7 @@ async def test_the_engine_puts_the_tier_after_disk_and_shares_it(
     """Two engines on one fake pool: CPU, disk, Mooncake in that order; what engine A stores
     engine B (empty CPU tier, its own disk) loads from Mooncake."""
     pool = FakePool()
-    monkeypatch.setattr(mooncake_module, "_default_store_factory", pool.factory())
+    monkeypatch.setattr(mooncake_module.calls, "new_store", pool.factory())
     # The fake pool stands in for Mooncake's client: this runs where the extra is not installed.
     monkeypatch.setattr(mooncake_store, "check_installed", lambda: None)
     config = PrefetchConfig(
@@ -389,14 +389,14 @@ async def test_a_put_keeps_its_buffer_until_mooncake_has_read_it(
     pool = FakePool()
     [key] = keys_of(1)
     reached, opened = threading.Event(), threading.Event()
-    real = mooncake_module._put_from
+    real = mooncake_module.calls.put_from
 
     def gated(*args: Any) -> list[int]:
         reached.set()
         assert opened.wait(DEADLINE_S)
         return real(*args)
 
-    monkeypatch.setattr(mooncake_module, "_put_from", gated)
+    monkeypatch.setattr(mooncake_module.calls, "put_from", gated)
     async with fake_tier(pool, arena) as tier:
         buf = arena.allocate()
         assert buf is not None
@@ -419,14 +419,14 @@ async def test_a_cancelled_writer_waits_for_the_put_reading_its_buffers(
     pool = FakePool()
     [key] = keys_of(1)
     reached, opened = threading.Event(), threading.Event()
-    real = mooncake_module._put_from
+    real = mooncake_module.calls.put_from
 
     def gated(*args: Any) -> list[int]:
         reached.set()
         assert opened.wait(DEADLINE_S)
         return real(*args)
 
-    monkeypatch.setattr(mooncake_module, "_put_from", gated)
+    monkeypatch.setattr(mooncake_module.calls, "put_from", gated)
     tier = MooncakeTier("127.0.0.1:1", store_factory=pool.factory())
     tier.add_arena(arena)
     with trio.fail_after(DEADLINE_S):

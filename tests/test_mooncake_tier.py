@@ -213,7 +213,7 @@ class Gate:
         self.hold_from = hold_from
         self.reached = threading.Event()
         self._open = threading.Event()
-        real = mooncake_module._get_into
+        real = mooncake_module.calls.get_into
 
         def gated(*args: Any) -> list[int]:
             self.calls += 1
@@ -222,7 +222,7 @@ class Gate:
                 assert self._open.wait(TEST_DEADLINE_S), "the gate never opened"
             return real(*args)
 
-        monkeypatch.setattr(mooncake_module, "_get_into", gated)
+        monkeypatch.setattr(mooncake_module.calls, "get_into", gated)
 
     async def wait_reached(self) -> None:
         assert await trio.to_thread.run_sync(self.reached.wait, TEST_DEADLINE_S)
@@ -410,13 +410,13 @@ async def test_remove_waits_for_a_readers_lease(
     instead of pulling the memory from under a reader."""
     master = MooncakeMaster(lease_ttl_ms=3000).start()
     codes: list[int] = []
-    real = mooncake_module._remove
+    real = mooncake_module.calls.remove
 
     def recorded(*args: Any) -> int:
         codes.append(real(*args))
         return codes[-1]
 
-    monkeypatch.setattr(mooncake_module, "_remove", recorded)
+    monkeypatch.setattr(mooncake_module.calls, "remove", recorded)
     keys = make_keys(2, seed=121)
     try:
         with trio.fail_after(TEST_DEADLINE_S):

@@ -162,7 +162,9 @@ class Harness:
             monkeypatch.setattr(redis_module, "_copy_into", gate.wrap(redis_module._copy_into))
             return gate
         if self.kind.startswith("mooncake"):  # the get-into thread writes the buffers
-            monkeypatch.setattr(mooncake_module, "_get_into", gate.wrap(mooncake_module._get_into))
+            monkeypatch.setattr(
+                mooncake_module.calls, "get_into", gate.wrap(mooncake_module.calls.get_into)
+            )
             return gate
         return None
 
@@ -319,9 +321,7 @@ async def test_every_async_method_is_a_checkpoint(h: Harness) -> None:
 
 
 # -- cancellation at every step ----------------------------------------------------------------
-async def call_once(
-    op: Callable[[], Awaitable[T]], target: Target | None
-) -> tuple[list[T], Steps]:
+async def call_once(op: Callable[[], Awaitable[T]], target: Target | None) -> tuple[list[T], Steps]:
     """Run ``op`` in a task named ``caller``, cancelling it at ``target`` (see Steps)."""
     steps = Steps(named("caller"), target)
     scope = trio.CancelScope()

@@ -76,19 +76,8 @@ payload is stored as is, which keeps loads and stores zero-copy.
 **Pins.**  Nothing is pinned remotely; the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s
 bookkeeping so ``pinned_count()`` shows what the engine still has to unpin.
 
-**Codecs.**  With the codec ``none`` and no encryption (the tier's
-:class:`~lmprefetch.codec.ChunkStage` is a passthrough) the transfers stay zero-copy as above;
-an object written under another codec is recognised by its first bytes after the get and
-decoded in place (in the same thread).  With a codec or encryption (``mooncake_codec``,
-``encryption_key_file``; docs/codecs.md), the tier moves chunks through a small *staging*
-arena of its own (registered with Mooncake like the engine's): the writer's thread encodes
-each chunk into a staging slot and puts it from there; a load gets objects into staging slots
-and its thread decodes them into the arena buffers (zstd and numpy release the GIL).  At most
-``_STAGING_SLOTS`` slots are in use at once (a FIFO weighted limiter hands them out; a staged
-load or write batch takes at most ``_STAGED_BATCH_KEYS``).  An object the stage refuses
-(damaged, unknown, another tenant's) is a miss, counted in ``stats.codec_misses``; objects
-are immutable, so the tier remembers the key as bad (a probe stops there) until its writer
-has removed the object and stored a good one.
+**Codecs.**  See :mod:`lmprefetch.tiers.mooncake_calls`: zero-copy with the passthrough stage;
+through a small staging arena of the tier's own with a codec or encryption.
 
 The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 ``docs/cancellation.md`` ("The defects"), each with its ``test_dNN_`` regression tests.
@@ -99,7 +88,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -113,6 +101,7 @@ from ..config import MOONCAKE_SEGMENT_MIN, PrefetchConfig, parse_host_port
 from ..keys import ChunkKey
 from ..limiter import WeightedCapacityLimiter
 from ..memory import Arena, Buffer
+from . import mooncake_calls as calls
 from .mooncake_store import (
     INVALID_PARAMS,
     MISSING,
@@ -174,116 +163,8 @@ def mooncake_key(key: ChunkKey) -> str:
     return KEY_PREFIX + key.to_string()
 
 
-def _default_store_factory() -> MooncakeStore:
-    from mooncake.store import MooncakeDistributedStore
-
-    store: MooncakeStore = MooncakeDistributedStore()
-    return store
-
-
 class _SetupFailed(Exception):
     """Setting a client up failed (the message says how)."""
-
-
-# -- what runs in worker threads -----------------------------------------------------------------
-def _exist(store: MooncakeStore, names: list[str]) -> list[int]:
-    return list(store.batch_is_exist(names))
-
-
-def _get_into(
-    store: MooncakeStore, names: list[str], addresses: list[int], sizes: list[int]
-) -> list[int]:
-    """Read each object into its buffer (the thread that writes arena memory)."""
-    return list(store.batch_get_into(names, addresses, sizes))
-
-
-def _get_decoded(
-    store: MooncakeStore,
-    names: list[str],
-    addresses: list[int],
-    sizes: list[int],
-    bufs: Sequence[Buffer],
-    staged: Sequence[Buffer] | None,
-    stage: ChunkStage,
-    key_names: list[bytes],
-    tenant: bytes,
-) -> tuple[list[int], Decodes]:
-    """Get each object (into the ``staged`` buffers, or straight into ``bufs``), then decode
-    each one got into its buffer, in order, until one is refused (the thread that writes
-    arena memory: never abandoned); Mooncake's result per key, and what the decoding did."""
-    results = _get_into(store, names, addresses, sizes)
-    done = Decodes(stage)
-    for i, rc in enumerate(results):
-        if not 0 < rc <= sizes[i]:
-            break
-        with bufs[i].slot() as slot:
-            if staged is None:  # the object is in the slot already (maybe encoded elsewhere)
-                ok = done.in_place(slot, rc, key_name=key_names[i], tenant=tenant)
-            else:
-                with staged[i].slot() as stored:
-                    ok = done.into(stored[:rc], slot, key_name=key_names[i], tenant=tenant)
-        if not ok:
-            break
-    return results, done
-
-
-def _encode_put(
-    store: MooncakeStore,
-    names: list[str],
-    addresses: list[int],
-    sizes: list[int],
-    bufs: Sequence[Buffer],
-    staged: Sequence[Buffer],
-    stage: ChunkStage,
-    key_names: list[bytes],
-    tenants: list[bytes],
-) -> tuple[list[int], list[int], float]:
-    """Encode each buffer's payload into its staging buffer and put them all from there (the
-    thread that reads arena memory: never abandoned); Mooncake's result per key (an encoding
-    larger than its staging slot is not put: ``INVALID_PARAMS``), the stored bytes of each
-    (-1 for those), and the seconds encoding took."""
-    t0 = time.perf_counter()
-    lengths: list[int] = []
-    for buf, dest, key_name, tenant in zip(bufs, staged, key_names, tenants, strict=True):
-        with buf.view() as payload:
-            stored = stage.encode(payload, key_name=key_name, tenant=tenant)
-        n = memoryview(stored).nbytes
-        if n > dest.capacity:
-            lengths.append(-1)
-            continue
-        dest.write(stored)
-        lengths.append(n)
-    seconds = time.perf_counter() - t0
-    fits = [i for i, n in enumerate(lengths) if n > 0]
-    put = (
-        _put_from(
-            store,
-            [names[i] for i in fits],
-            [addresses[i] for i in fits],
-            [lengths[i] for i in fits],
-        )
-        if fits
-        else []
-    )
-    results = [INVALID_PARAMS] * len(names)
-    for i, rc in zip(fits, put, strict=False):
-        results[i] = rc
-    return results, lengths, seconds
-
-
-def _put_from(
-    store: MooncakeStore, names: list[str], addresses: list[int], sizes: list[int]
-) -> list[int]:
-    """Store each object from its buffer (the thread that reads arena memory)."""
-    return list(store.batch_put_from(names, addresses, sizes))
-
-
-def _remove(store: MooncakeStore, name: str) -> int:
-    return int(store.remove(name))
-
-
-def _slot_address(buf: Buffer) -> int:
-    return buf.arena.address + buf.index * buf.capacity
 
 
 class MooncakeTier(RemoteTier):
@@ -359,7 +240,7 @@ class MooncakeTier(RemoteTier):
         self.local_hostname = local_hostname
         self.segment_bytes = segment_bytes
         self.rdma_devices = rdma_devices
-        self._factory = store_factory or _default_store_factory
+        self._factory = store_factory or calls.new_store
         self._setup_limiter = trio.CapacityLimiter(1)
         # The client, published under self._lock by the thread that set it up (unless the
         # tier closed meanwhile: then that thread closes it itself); the lock also guards the
@@ -536,14 +417,14 @@ class MooncakeTier(RemoteTier):
         sizes: list[int],
         *args: Any,
     ) -> _T:
-        """``op(store, names, addresses, sizes, *args)`` (``_get_decoded``, ``_put_from``,
-        ``_encode_put``) on ``bufs``' slots, in a thread that is never abandoned, after
+        """``op(store, names, addresses, sizes, *args)`` (``calls.get_decoded``, ``calls.put_from``,
+        ``calls.encode_put``) on ``bufs``' slots, in a thread that is never abandoned, after
         registering any arena of theirs the client does not know yet.  Raises
         :class:`~lmprefetch.tiers.remote.Unavailable` as :meth:`_call` does."""
         arenas = self._unregistered(bufs)
         if arenas:
             await self._call("register_buffer", self._register, arenas, touches_arena=False)
-        addresses = [_slot_address(buf) for buf in bufs]
+        addresses = [calls.slot_address(buf) for buf in bufs]
         return await self._call(what, op, names, addresses, sizes, *args, touches_arena=True)
 
     @contextlib.asynccontextmanager
@@ -601,7 +482,7 @@ class MooncakeTier(RemoteTier):
             return 0
         names = [mooncake_key(key) for key in keys]
         try:
-            found = await self._call("batch_is_exist", _exist, names, touches_arena=False)
+            found = await self._call("batch_is_exist", calls.exist, names, touches_arena=False)
         except Unavailable:
             return 0
         n = 0
@@ -654,9 +535,7 @@ class MooncakeTier(RemoteTier):
             names = [mooncake_key(key) for key in keys[start:end]]
             key_names = [key.to_string().encode() for key in keys[start:end]]
             try:
-                results, done = await self._get_batch(
-                    names, bufs, key_names, tenant, staged=staged
-                )
+                results, done = await self._get_batch(names, bufs, key_names, tenant, staged=staged)
             except Unavailable:
                 break
             self.stats.observe_decoded(
@@ -696,16 +575,16 @@ class MooncakeTier(RemoteTier):
         *,
         staged: bool,
     ) -> tuple[list[int], Decodes]:
-        """One ``batch_get_into`` and the decoding of what it got (see :func:`_get_decoded`),
+        """One ``batch_get_into`` and the decoding of what it got (see :func:`calls.get_decoded`),
         through staging slots when ``staged``."""
         if not staged:
             return await self._transfer(
-                "batch_get_into", _get_decoded, names, bufs, [buf.capacity for buf in bufs],
+                "batch_get_into", calls.get_decoded, names, bufs, [buf.capacity for buf in bufs],
                 bufs, None, self.stage, key_names, tenant,
             )  # fmt: skip
         async with self._staging_buffers(len(bufs), max(b.capacity for b in bufs)) as staging:
             return await self._transfer(
-                "batch_get_into", _get_decoded, names, staging, [s.capacity for s in staging],
+                "batch_get_into", calls.get_decoded, names, staging, [s.capacity for s in staging],
                 bufs, staging, self.stage, key_names, tenant,
             )  # fmt: skip
 
@@ -731,7 +610,7 @@ class MooncakeTier(RemoteTier):
         deadline = trio.current_time() + REMOVE_LEASE_WAIT_S
         while True:
             try:
-                rc = await self._call("remove", _remove, name, touches_arena=False)
+                rc = await self._call("remove", calls.remove, name, touches_arena=False)
             except Unavailable:
                 return False
             if rc == 0 or rc in MISSING:
@@ -783,12 +662,12 @@ class MooncakeTier(RemoteTier):
         try:
             if self.stage.passthrough:
                 sizes = [buf.length for buf in bufs]
-                results = await self._transfer("batch_put_from", _put_from, names, bufs, sizes)
+                results = await self._transfer("batch_put_from", calls.put_from, names, bufs, sizes)
             else:
                 capacity = max(buf.capacity for buf in bufs)
                 async with self._staging_buffers(len(bufs), capacity) as staging:
                     results, sizes, seconds = await self._transfer(
-                        "batch_put_from", _encode_put, names, staging,
+                        "batch_put_from", calls.encode_put, names, staging,
                         [s.capacity for s in staging],
                         bufs, staging, self.stage,
                         [entry.key.to_string().encode() for entry, _ in live],
@@ -840,7 +719,7 @@ class MooncakeTier(RemoteTier):
                         "open", CLOSE_TIMEOUT_S)  # fmt: skip
             return
         with trio.move_on_after(CLOSE_TIMEOUT_S) as closing:
-            await trio.to_thread.run_sync(_close_store, store, arenas, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(calls.close_store, store, arenas, abandon_on_cancel=True)
         if closing.cancelled_caught:
             log.warning("mooncake tier: closing the client took over %.0f s; left to finish on "
                         "its own", CLOSE_TIMEOUT_S)  # fmt: skip
@@ -848,17 +727,6 @@ class MooncakeTier(RemoteTier):
         staging, self._staging = self._staging, None
         if staging is not None and staging.used_slots == 0:
             staging.close()  # unregistered, and no thread uses it any more
-
-
-def _close_store(store: MooncakeStore, arenas: Sequence[Arena]) -> None:
-    """(Worker thread.)  Unregister the arenas and close the client (unmounting its segment:
-    the objects in it are gone from the pool)."""
-    for arena in arenas:
-        try:
-            store.unregister_buffer(arena.address)
-        except ValueError:  # the arena was closed first: its memory is no longer ours
-            pass
-    store.close()
 
 
 @asynccontextmanager
