@@ -72,6 +72,7 @@ from typing import NamedTuple
 
 import trio
 
+from .._phases import Phases, perf_counter, to_thread_timed
 from ..codec import ChunkStage, CodecMiss, get_codec
 from ..keys import ChunkKey
 from ..memory import Buffer
@@ -163,6 +164,16 @@ class _LoadRun:
             self._next += 1
             return self._next - 1
 
+    def remaining(self) -> int:
+        """Chunks not taken yet (up to the first failed one)."""
+        with self._lock:
+            return max(0, self._first_bad - self._next)
+
+    def put_back(self, i: int) -> None:
+        """Chunk ``i``, taken last, is to be taken again (by another kind of read)."""
+        with self._lock:
+            self._next = min(self._next, i)
+
     def fail(self, i: int, exc: chunkfile.ChunkMiss | OSError) -> None:
         with self._lock:
             self.outcomes[i] = exc
@@ -242,6 +253,9 @@ class DiskTier(WritesBehind, BaseTier):
         self.close_timeout_s = close_timeout_s
         #: Whether reads still try ``O_DIRECT`` (set to ``False`` by the first ``EINVAL``).
         self.o_direct_active = bool(o_direct and chunkfile.O_DIRECT_FLAG)
+        #: Whether a load first reads what the page cache holds in one thread call
+        #: (``RWF_NOWAIT``; set to ``False`` where the file system refuses it).
+        self.cached_pass = bool(chunkfile.NOWAIT_FLAG)
         self._read_limiter = trio.CapacityLimiter(read_threads)
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
@@ -270,6 +284,9 @@ class DiskTier(WritesBehind, BaseTier):
         self.verified_reads = 0
         #: Chunks read without hashing: their file was unchanged since a verified read.
         self.trusted_reads = 0
+        #: Where a benchmark records the time of each phase of a load (``lmprefetch
+        #: bench-disk``'s budget); ``None``, the default, records nothing.
+        self.phases: Phases | None = None
 
     # -- index ------------------------------------------------------------------------
     def _file_path(self, key: ChunkKey) -> str:
@@ -316,8 +333,13 @@ class DiskTier(WritesBehind, BaseTier):
         return key in self._index
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        phases = self.phases
+        t0 = perf_counter() if phases is not None else 0.0
         await trio.lowlevel.checkpoint()
-        return self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
+        found = self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
+        if phases is not None:
+            phases.add("probe", t0, perf_counter())
+        return found
 
     def _drop(self, key: ChunkKey) -> None:
         self._trusted.pop(key, None)
@@ -363,18 +385,22 @@ class DiskTier(WritesBehind, BaseTier):
                 ],
                 tenant,
             )
-            readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
             try:
+                if self.cached_pass and not self.o_direct_active:
+                    # Page-cache hits, the common case: one thread call reads the chunks in
+                    # order for as long as the page cache holds their bytes (RWF_NOWAIT), and
+                    # checks between pieces whether the load was cancelled.  One hand-off
+                    # each way, no tasks, no nurseries; concurrent loads share the read
+                    # threads through the read limiter, first come first served.  Reads
+                    # from the page cache are bound by memory bandwidth, which more threads
+                    # do not add to (docs/benchmarks.md, the phase budget).
+                    await self._in_thread(self._read_all, run, True)
+                # What is left would wait for the device: several threads, where there are
+                # enough chunks for them.
+                readers = min(self.read_threads, -(-run.remaining() // _CHUNKS_PER_THREAD_CALL))
                 if readers == 1:
-                    # The common case: one thread call reads every chunk, and checks before
-                    # each one whether the load was cancelled.  No tasks, no nurseries.
-                    await trio.to_thread.run_sync(
-                        self._read_all,
-                        run,
-                        limiter=self._read_limiter,
-                        abandon_on_cancel=False,  # the thread writes into the buffers
-                    )
-                else:
+                    await self._in_thread(self._read_all, run, False)
+                elif readers > 1:
                     async with trio.open_nursery() as watch:
                         watch.start_soon(_set_when_cancelled, run.stop)
                         async with trio.open_nursery() as reader_tasks:
@@ -401,25 +427,39 @@ class DiskTier(WritesBehind, BaseTier):
         # ~0.47 of a plain readinto loop, 8 per call at ~0.6-0.75).  The cap hands the read
         # limiter back now and then, so concurrent loads take turns.
         while run.has_work():
-            await trio.to_thread.run_sync(
-                self._read_run,
-                run,
-                _CHUNKS_PER_THREAD_CALL,
-                limiter=self._read_limiter,
-                abandon_on_cancel=False,  # the thread writes into buffers the caller frees
-            )
+            await self._in_thread(self._read_run, run, _CHUNKS_PER_THREAD_CALL)
 
-    def _read_all(self, run: _LoadRun) -> None:
-        """Read every chunk of ``run`` in order (runs in a worker thread); stops at the first
-        failed read, and raises ``Cancelled`` before a chunk, or between the pieces of one,
-        once the load was cancelled."""
+    async def _in_thread(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)`` in a read thread, under the read limiter; never abandoned (the thread
+        writes into buffers the caller frees)."""
+        if self.phases is not None:
+            await to_thread_timed(self.phases, self._read_limiter, fn, *args)
+            return
+        await trio.to_thread.run_sync(
+            fn, *args, limiter=self._read_limiter, abandon_on_cancel=False
+        )
+
+    def _read_all(self, run: _LoadRun, cached: bool) -> None:
+        """Read the chunks of ``run`` not taken yet, in order (runs in a worker thread); stops
+        at the first failed read, and raises ``Cancelled`` before a chunk, or between the
+        pieces of one, once the load was cancelled.  ``cached``: only while the page cache
+        holds the bytes; the first chunk it does not is put back for a read that may wait."""
         check = trio.from_thread.check_cancelled
-        for i, (path, key_bytes, slot, trusted) in enumerate(run.jobs):
+        while True:
             check()
+            i = run.take()
+            if i is None:
+                return
+            path, key_bytes, slot, trusted = run.jobs[i]
             try:
                 run.outcomes[i] = self._read_chunk(
-                    path, key_bytes, slot, check, trusted, run.tenant
+                    path, key_bytes, slot, check, trusted, run.tenant, cached
                 )
+            except chunkfile.NotCached as exc:
+                run.put_back(i)
+                if exc.unsupported:
+                    self.cached_pass = False  # every later load reads as it did before
+                return
             except (chunkfile.ChunkMiss, OSError) as exc:
                 run.fail(i, exc)
                 return
@@ -512,11 +552,13 @@ class DiskTier(WritesBehind, BaseTier):
         check: Callable[[], None] | None = None,
         trusted: FileIdentity | None = None,
         tenant: bytes = b"",
+        cached: bool = False,
     ) -> _Loaded:
         """Read, verify and decode one chunk file into ``slot`` (runs in a worker thread);
         ``check`` runs between its pieces and raises to stop (see
         :func:`chunkfile.read_buffered`); the checksum is skipped if the file's identity is
-        still ``trusted``; sealed chunks are opened for ``tenant``.
+        still ``trusted``; sealed chunks are opened for ``tenant``; ``cached``: only from the
+        page cache (else :class:`chunkfile.NotCached`, the slot holding anything).
 
         A passthrough stage reads the file straight into ``slot`` (a file a little larger than
         the slot, a chunk written under another codec, is read again into scratch); any other
@@ -531,12 +573,12 @@ class DiskTier(WritesBehind, BaseTier):
         target = slot if stage.passthrough else _read_scratch(stage.max_read_bytes(slot.nbytes))
         try:
             try:
-                read, direct = self._read_file(path, key_bytes, target, check, trusted)
+                read, direct = self._read_file(path, key_bytes, target, check, trusted, cached)
             except chunkfile.TooLarge:
                 if target is not slot:
                     raise
                 target = _read_scratch(stage.max_read_bytes(slot.nbytes))
-                read, direct = self._read_file(path, key_bytes, target, check, trusted)
+                read, direct = self._read_file(path, key_bytes, target, check, trusted, cached)
                 if not read.encoded:
                     raise  # a payload larger than this slot, as it was first found
         except FileNotFoundError:
@@ -550,6 +592,7 @@ class DiskTier(WritesBehind, BaseTier):
         t0 = time.perf_counter()
         refused = None
         encoded = read.encoded
+        phases = self.phases
         try:
             if target is slot:  # a passthrough tier's file written under another codec
                 n = stage.decode_in_place(
@@ -561,6 +604,8 @@ class DiskTier(WritesBehind, BaseTier):
                 )
         except CodecMiss as exc:
             refused = str(exc)
+        if phases is not None:
+            phases.add("codec", t0, perf_counter())
         if refused is not None:
             # Raised out here, with no trace of the decoder's frames: they hold views of the
             # slot, which must not outlive the load (the arena could not close).
@@ -575,19 +620,27 @@ class DiskTier(WritesBehind, BaseTier):
         target: memoryview,
         check: Callable[[], None] | None,
         trusted: FileIdentity | None,
+        cached: bool = False,
     ) -> tuple[chunkfile.ChunkRead, bool]:
         """Read and verify one chunk file's stored bytes into ``target``; the read, and
-        whether it used ``O_DIRECT``."""
+        whether it used ``O_DIRECT`` (never when ``cached``: page-cache bytes only)."""
+        if cached:
+            read = chunkfile.read_buffered(
+                path, key_bytes, target, check, trusted, self.phases, nowait=True
+            )
+            return read, False
         if (
             self.o_direct_active
             and target.nbytes % chunkfile.ALIGN == 0
             and chunkfile.address(target) % chunkfile.ALIGN == 0
         ):
             try:
-                return chunkfile.read_direct(path, key_bytes, target, check, trusted), True
+                return chunkfile.read_direct(
+                    path, key_bytes, target, check, trusted, self.phases
+                ), True
             except chunkfile.DirectUnsupported:
                 self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
-        return chunkfile.read_buffered(path, key_bytes, target, check, trusted), False
+        return chunkfile.read_buffered(path, key_bytes, target, check, trusted, self.phases), False
 
     # -- write-behind -----------------------------------------------------------------
     def enqueue_write(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
