@@ -61,6 +61,8 @@ from .config import PrefetchConfig
 from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
 from .lookup import AnswerCallback, _Lookup, _Lookups
+from .lookup_notes import _Notes, emit
+from .lookup_parts import Pairs, _Part, _Pins, _release_pairs
 from .memory import Arena, Buffer
 from .policy import (
     Decides,
@@ -68,13 +70,11 @@ from .policy import (
     LoadPolicy,
     LoadRequest,
     PrefillModel,
-    TierCost,
-    predict,
     when_decides,
 )
 from .tiers.base import TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
-from .trace import CalibrationTrace, DecisionTrace, LookupTrace, PartTrace, ProbeTrace
+from .trace import CalibrationTrace, DecisionTrace, ProbeTrace
 
 __all__ = ["CALIBRATION_CHUNKS", "LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
 
@@ -89,118 +89,6 @@ LOAD_DEPTH: Final = 3
 #: Chunks a background measurement of a tier loads (see :meth:`LookupIO._calibrate`).
 CALIBRATION_CHUNKS: Final = 2
 
-Pairs = list[tuple[ChunkKey, Buffer]]
-
-
-class _Pins:
-    """The pins one probe took on one tier; released exactly once, possibly in parts."""
-
-    __slots__ = ("keys", "tier")
-
-    def __init__(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
-        self.tier = tier
-        self.keys = list(keys)
-
-    def release_from(self, index: int) -> None:
-        tail, self.keys = self.keys[index:], self.keys[:index]
-        if tail:
-            self.tier.unpin(tail)
-
-    def release(self) -> None:
-        self.release_from(0)
-
-
-class _Part:
-    """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
-
-    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "probe_s", "tier", "zero_copy")
-
-    def __init__(
-        self,
-        tier: Tier,
-        keys: list[ChunkKey],
-        n_chunks: int,
-        pins: _Pins,
-        zero_copy: bool,
-        probe_s: float | None = None,
-    ):
-        self.tier = tier
-        #: How long this lookup's probe of the tier took: the latency of its load's call.
-        self.probe_s = probe_s
-        self.keys = keys
-        self.n_chunks = n_chunks
-        self.pins = pins
-        self.zero_copy = zero_copy
-        self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
-        self.loaded = 0  # whole chunks loaded contiguously from the part's first
-
-    def release_buffers(self, start: int = 0) -> None:
-        tail, self.buffers = self.buffers[start:], self.buffers[:start]
-        for buf in tail:
-            buf.release()
-
-    def split_off(self, lo: int, hi: int, kpc: int) -> _Part:
-        """Chunks ``[lo, hi)`` (not loaded yet) as a part of their own, which takes their pins
-        over (synchronous: no pin is released or taken)."""
-        keys = self.keys[lo * kpc : hi * kpc]
-        taken = set(keys)
-        self.pins.keys = [k for k in self.pins.keys if k not in taken]
-        return _Part(self.tier, keys, hi - lo, _Pins(self.tier, keys), False, self.probe_s)
-
-    def truncate(self, n_chunks: int, kpc: int) -> None:
-        """Keep only the first ``n_chunks`` chunks: the rest's pins and buffers are released
-        now (synchronous)."""
-        self.n_chunks = n_chunks
-        self.keys = self.keys[: n_chunks * kpc]
-        self.pins.release_from(n_chunks * kpc)
-        self.release_buffers(n_chunks * kpc)
-        self.loaded = min(self.loaded, n_chunks)
-
-
-def _part_trace(part: HitPart, age_s: float | None) -> PartTrace:
-    cost: TierCost = part.cost
-    return PartTrace(
-        part.tier, part.chunks, part.bytes, part.zero_copy, cost.latency_s, cost.bytes_per_s, age_s
-    )
-
-
-def _release_pairs(pairs: Pairs) -> None:
-    for _, buf in pairs:
-        buf.release()
-
-
-class _Notes:
-    """What one lookup noted for its trace record (built only while the engine's
-    :class:`~lmprefetch.trace.DecisionTrace` has a subscriber): Trio times from its start."""
-
-    __slots__ = (
-        "calibrating",
-        "decided",
-        "load_ended",
-        "load_started",
-        "not_probed",
-        "parts",
-        "probes",
-        "t0",
-    )
-
-    def __init__(self, t0: float) -> None:
-        self.t0 = t0
-        self.probes: list[ProbeTrace] = []
-        self.not_probed: list[str] = []
-        self.calibrating: list[str] = []
-        #: The hit as the policy saw it (or would have: a policy deciding before probing).
-        self.parts: tuple[HitPart, ...] = ()
-        self.decided: float | None = None
-        self.load_started: float | None = None
-        self.load_ended: float | None = None
-
-    def loads_began(self) -> None:
-        if self.load_started is None:
-            self.load_started = trio.current_time()
-
-    def loads_ended(self) -> None:
-        self.load_ended = trio.current_time()
 
 
 class LookupIO:
@@ -246,6 +134,7 @@ class LookupIO:
         self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
             (t, isinstance(t, ZeroCopyTier)) for t in tiers
         )
+        self._tiers_by_name = {t.name: t for t in tiers}
         # ... and which tiers seal chunks per tenant: their loads take the lookup's tenant.
         self._per_tenant = frozenset(id(t) for t in tiers if getattr(t, "per_tenant", False))
         self._other_tiers = tuple(t for t in tiers if t is not cpu)
@@ -676,62 +565,12 @@ class LookupIO:
         keep: int,
         answer: int | None,
     ) -> None:
-        """The lookup's trace record (see :class:`~lmprefetch.trace.LookupTrace`)."""
-        t0 = notes.t0
-        computed = cum[skip_chunks]
-        request = LoadRequest(
-            parts=notes.parts,
-            chunk_tokens=tuple(
-                cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)
-            ),
-            computed_tokens=computed,
-            prompt_tokens=cum[-1],
-            prefill=self._prefill,
-        )
-        load_s, recompute_s = predict(request, keep) if found else (None, None)
-        load_all_s = predict(request, found)[0] if found else None
-        recompute_all_s = predict(request, 0)[1] if found else None
-        coefficients, source = self._prefill.state()
-        by_name = {t.name: t for t, _ in self._probe_order}
-        decision = (
-            "miss" if not found else
-            "loaded" if keep >= found else "truncated" if keep else "skipped"
+        """The lookup's trace record (see :func:`lmprefetch.lookup_notes.emit`)."""
+        emit(
+            self._trace, self.policy, self._prefill, self._tiers_by_name, notes, lookup_id,
+            cum, skip_chunks, found, keep, answer,
         )  # fmt: skip
-        load = None
-        if notes.load_started is not None and notes.load_ended is not None:
-            load = notes.load_ended - notes.load_started
-        self._trace.emit(
-            LookupTrace(
-                rank=self._trace.rank,
-                lookup_id=lookup_id,
-                wall=self._trace.wall() - (trio.current_time() - t0),
-                policy=type(self.policy).__name__,
-                prompt_tokens=cum[-1],
-                computed_tokens=computed,
-                hit_chunks=found,
-                hit_tokens=cum[skip_chunks + found] - computed,
-                kept_chunks=keep,
-                kept_tokens=cum[skip_chunks + keep] - computed,
-                decision=decision,
-                parts=tuple(
-                    _part_trace(p, by_name[p.tier].stats.throughput_age_s(t0)) for p in notes.parts
-                ),
-                probes=tuple(notes.probes),
-                prefill_a=None if coefficients is None else coefficients[0],
-                prefill_b=None if coefficients is None else coefficients[1],
-                prefill_source=source,
-                predicted_load_s=load_s,
-                predicted_recompute_s=recompute_s,
-                predicted_load_all_s=load_all_s,
-                predicted_recompute_all_s=recompute_all_s,
-                decided_s=None if notes.decided is None else notes.decided - t0,
-                load_s=load,
-                answered_s=trio.current_time() - t0,
-                answer_tokens=answer if answer is not None else 0,
-                not_probed=tuple(notes.not_probed),
-                calibrating=tuple(notes.calibrating),
-            )
-        )
+
 
     def _ask_policy(self, request: LoadRequest) -> int:
         """The policy's answer to ``request``, clamped to ``[0, request.hit_chunks]``; the
