@@ -193,7 +193,9 @@ def test_the_phase_budget_accounts_for_the_wall_time_of_each_disk_hit() -> None:
     small share of it (a missing hook would show here as idle time)."""
     from lmprefetch.bench import disk_budget
 
-    r = disk_budget.measure(chunks=4, chunk_bytes=256 * 1024, repeats=4, x8_repeats=2)
+    r = disk_budget.measure(
+        chunks=4, chunk_bytes=256 * 1024, repeats=4, x8_repeats=2, cancel_repeats=4
+    )
     assert r["idle_after"]
     for case in ("one", "eight"):
         c = r[case]
@@ -206,9 +208,16 @@ def test_the_phase_budget_accounts_for_the_wall_time_of_each_disk_hit() -> None:
             assert phases[name]["count"] > 0, name
         assert phases["syscalls"]["wall_s"] > 0 and phases["trio"]["wall_s"] > 0
         assert c["floor_s"] > 0 and c["distinct_s"] > 0 and c["vs_floor"] > 0
+    cancel = r["cancel"]
+    assert sum(p["wall_s"] for p in cancel["phases"].values()) == pytest.approx(
+        cancel["wall_s_mean"], rel=1e-6
+    )
+    assert cancel["phases"]["trio"]["count"] > 0  # the unwinding runs on the Trio thread
+    assert 0 < cancel["wall_s_median"] <= cancel["p99_s"] <= cancel["max_s"]
     # One disk hit of page-cache chunks: one thread call, so two hand-offs.
     assert r["one"]["phases"]["handoff"]["count"] == 2
     assert r["eight"]["phases"]["handoff"]["count"] == 16
     text = disk_budget.format_budget(r)
-    assert text.count("sum (= the mean wall time)") == 2
+    assert text.count("sum (= the mean wall time)") == 3
+    assert "cancel of a disk hit in its read thread → released" in text
     assert all(label in text for _, label in disk_budget.PHASES)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+import trio.testing
 
 from .._phases import Phases, perf_counter
 
@@ -194,7 +195,7 @@ def _sample(phases: Phases, instrument: _TrioRunTime, t0: float, t1: float) -> d
 
 
 async def _measure(
-    chunks: int, chunk_bytes: int, repeats: int, x8_repeats: int, tmp: str
+    chunks: int, chunk_bytes: int, repeats: int, x8_repeats: int, cancel_repeats: int, tmp: str
 ) -> dict[str, Any]:
     from ..config import PrefetchConfig
     from ..hashing import ChunkHasher
@@ -288,6 +289,34 @@ async def _measure(
             out["eight"]["floor_s"] = out["eight"]["floor_8_threads_s"] = statistics.median(floor8)
             out["eight"]["distinct_s"] = statistics.median(floor8_distinct)
             out["eight"]["load_avg"] = [load0, os.getloadavg()[0]]
+
+            # Cancel → released: a disk hit cancelled while its task waits for the read
+            # thread (at once, or a quarter, a half, three quarters of a hit's time later),
+            # timed until the engine holds nothing: what the cancel waits for.
+            cancels: list[dict[str, Any]] = []
+            load0 = os.getloadavg()[0]
+            hit_s = out["one"]["wall_s_median"]
+            answered_first = 0
+            for r in range(cancel_repeats):
+                answers: list[int] = []
+                with _recording(disk) as (phases, instrument):
+                    engine.start_lookup(f"c{r}", prompts[1], offs, on_answer=answers.append)
+                    await trio.testing.wait_all_tasks_blocked()
+                    if r % 4:
+                        await trio.sleep(hit_s * (r % 4) / 4)
+                    t0 = perf_counter()
+                    engine.cancel(f"c{r}")
+                    await engine.wait_quiet()
+                    t1 = perf_counter()
+                cancels.append(_sample(phases, instrument, t0, t1))
+                answered_first += bool(answers and answers[0])
+            out["cancel"] = _summary(cancels)
+            walls = sorted(c["wall_s"] for c in cancels)
+            out["cancel"]["p99_s"] = walls[min(len(walls) - 1, round(0.99 * (len(walls) - 1)))]
+            out["cancel"]["max_s"] = walls[-1]
+            out["cancel"]["load_avg"] = [load0, os.getloadavg()[0]]
+            # (Those the read had finished before the cancel: a held result released.)
+            out["cancel"]["answered_first"] = answered_first
             await engine.wait_quiet()
             out["idle_after"] = engine.is_idle()
     finally:
@@ -305,16 +334,38 @@ async def _measure(
 
 
 def measure(
-    chunks: int = 16, chunk_bytes: int = 2 * MiB, repeats: int = 30, x8_repeats: int = 6
+    chunks: int = 16,
+    chunk_bytes: int = 2 * MiB,
+    repeats: int = 30,
+    x8_repeats: int = 6,
+    cancel_repeats: int = 30,
 ) -> dict[str, Any]:
-    """The phase budget of one disk hit and of eight concurrent ones, with their floors (see
-    the module docstring), in a fresh Trio run over a temporary directory."""
+    """The phase budget of one disk hit, of eight concurrent ones and of a cancelled one, with
+    the floors (see the module docstring), in a fresh Trio run over a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="lmprefetch-budget-") as tmp:
-        return trio.run(_measure, chunks, chunk_bytes, repeats, x8_repeats, tmp)
+        return trio.run(_measure, chunks, chunk_bytes, repeats, x8_repeats, cancel_repeats, tmp)
+
+
+def _phase_rows(c: dict[str, Any]) -> list[str]:
+    wall = c["wall_s_mean"]
+    lines = [f"      {'phase':<70} {'wall ms':>8} {'%':>5} {'busy ms':>8} {'count':>6}"]
+    for name, label in PHASES:
+        p = c["phases"][name]
+        share = p["wall_s"] / wall * 100 if wall else 0.0
+        lines.append(
+            f"      {label:<70} {p['wall_s'] * 1e3:8.3f} {share:5.1f} "
+            f"{p['busy_s'] * 1e3:8.3f} {p['count']:6.1f}"
+        )
+    total = sum(p["wall_s"] for p in c["phases"].values())
+    lines.append(
+        f"      {'sum (= the mean wall time)':<70} {total * 1e3:8.3f} {total / wall * 100:5.1f}"
+        f"   Trio task steps {c['trio_steps']:.0f}, wake-ups {c['trio_wakeups']:.0f}"
+    )
+    return lines
 
 
 def format_budget(r: dict[str, Any]) -> str:
-    """The budget as a table: per case, each phase's share of the wall time (mean over the
+    """The budget as tables: per case, each phase's share of the wall time (mean over the
     samples, in ms and %), its busy time and interval count, and the floor beside it."""
     lines = [
         f"  phase budget of a disk hit ({r['chunks']} chunks × {r['chunk_bytes'] / MiB:g} MiB, "
@@ -330,28 +381,26 @@ def format_budget(r: dict[str, Any]) -> str:
     }  # fmt: skip
     for case, (title, floor_label, floor_text) in titles.items():
         c = r[case]
-        wall = c["wall_s_mean"]
         lines += [
             "",
             f"    {title}: {c['samples']} samples, wall {c['wall_s_median'] * 1e3:.3g} ms median "
-            f"(mean {wall * 1e3:.3g}); floor ({floor_label}) {floor_text} → "
+            f"(mean {c['wall_s_mean'] * 1e3:.3g}); floor ({floor_label}) {floor_text} → "
             f"{c['vs_floor']:.2f}× the floor (goal ≤ 1.15); load avg "
             f"{c['load_avg'][0]:.1f}→{c['load_avg'][1]:.1f}",
             f"      the same plain reads into distinct slots, as a load must: "
             f"{c['distinct_s'] * 1e3:.3g} ms = {c['distinct_vs_floor']:.2f}× the floor; "
             f"the engine {c['vs_distinct']:.2f}× that",
-            f"      {'phase':<70} {'wall ms':>8} {'%':>5} {'busy ms':>8} {'count':>6}",
+            *_phase_rows(c),
         ]
-        for name, label in PHASES:
-            p = c["phases"][name]
-            share = p["wall_s"] / wall * 100 if wall else 0.0
-            lines.append(
-                f"      {label:<70} {p['wall_s'] * 1e3:8.3f} {share:5.1f} "
-                f"{p['busy_s'] * 1e3:8.3f} {p['count']:6.1f}"
-            )
-        total = sum(p["wall_s"] for p in c["phases"].values())
-        lines.append(
-            f"      {'sum (= the mean wall time)':<70} {total * 1e3:8.3f} {total / wall * 100:5.1f}"
-            f"   Trio task steps {c['trio_steps']:.0f}, wake-ups {c['trio_wakeups']:.0f}"
-        )
+    if "cancel" in r:
+        c = r["cancel"]
+        lines += [
+            "",
+            f"    cancel of a disk hit in its read thread → released: {c['samples']} samples, "
+            f"median {c['wall_s_median'] * 1e3:.3g} ms, p99 {c['p99_s'] * 1e3:.3g} ms, max "
+            f"{c['max_s'] * 1e3:.3g} ms (goal p99 ≤ 1 ms; {c['answered_first']} had answered "
+            "before the cancel); load avg "
+            f"{c['load_avg'][0]:.1f}→{c['load_avg'][1]:.1f}",
+            *_phase_rows(c),
+        ]
     return "\n".join(lines)
