@@ -57,6 +57,7 @@ from typing import Final, cast
 
 import trio
 
+from .calibration import CALIBRATION_CHUNKS, Calibrations
 from .config import PrefetchConfig
 from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
@@ -74,7 +75,7 @@ from .policy import (
 )
 from .tiers.base import TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
-from .trace import CalibrationTrace, DecisionTrace, ProbeTrace
+from .trace import DecisionTrace, ProbeTrace
 
 __all__ = ["CALIBRATION_CHUNKS", "LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
 
@@ -86,8 +87,6 @@ log = logging.getLogger("lmprefetch.engine")
 LOAD_BATCHES: Final = 8
 #: ... and this many of them in flight at once.
 LOAD_DEPTH: Final = 3
-#: Chunks a background measurement of a tier loads (see :meth:`LookupIO._calibrate`).
-CALIBRATION_CHUNKS: Final = 2
 
 
 
@@ -147,15 +146,17 @@ class LookupIO:
         self._worth_probing = (
             None if self._decides_first else getattr(policy, "worth_probing", None)
         )
-        #: Background measurements of tiers in flight: their cancel scopes, by tier name.
-        self._calibrations: dict[str, trio.CancelScope] = {}
-        self._calibrated = trio.lowlevel.ParkingLot()
         self._prefill = prefill
         self._lookups = lookups
         self._nursery = nursery
         self._kpc = config.keys_per_chunk
         self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
         self._trace = trace if trace is not None else DecisionTrace()
+        #: Background measurements of tiers: dropped chunks loaded as a lookup's would be.
+        self._calibrations = Calibrations(
+            nursery=nursery, load=self._load_part, kpc=self._kpc,
+            max_age_s=config.tier_cost_max_age_s, trace=self._trace,
+        )  # fmt: skip
         #: Set when the engine closes: new lookups answer 0.
         self.closed = False
 
@@ -490,10 +491,10 @@ class LookupIO:
                     )
                     for part in parts:
                         mine = max(0, min(part.n_chunks, keep))
-                        if mine < part.n_chunks and self._needs_measuring(part):
+                        if mine < part.n_chunks and self._calibrations.needed(part):
                             # Chunks of a tier not measured (lately) go: measure it with some.
                             hi = min(part.n_chunks, mine + CALIBRATION_CHUNKS)
-                            self._calibrate_soon(part.split_off(mine, hi, kpc), tenant)
+                            self._calibrations.start_soon(part.split_off(mine, hi, kpc), tenant)
                             if notes is not None:
                                 notes.calibrating.append(part.tier.name)
                         part.truncate(mine, kpc)
@@ -591,74 +592,20 @@ class LookupIO:
             )  # fmt: skip
         return keep
 
-    # -- measuring a tier in the background ------------------------------------------------
-    def _needs_measuring(self, part: _Part) -> bool:
-        """Whether dropped chunks of ``part`` should measure its tier: not zero-copy, its
-        throughput never measured or older than ``tier_cost_max_age_s``, and no measurement
-        of it in flight."""
-        if part.zero_copy or part.tier.name in self._calibrations or self.closed:
-            return False
-        stats = part.tier.stats
-        if stats.load_bytes_per_s_ewma is None:
-            return True
-        age = stats.throughput_age_s(trio.current_time())
-        return age is not None and age > self._config.tier_cost_max_age_s
-
-    def _calibrate_soon(self, part: _Part, tenant: bytes) -> None:
-        """Start measuring ``part``'s tier by loading ``part`` (which owns its pins) in the
-        background, as ``tenant`` (the lookup's: a sealed tier opens its chunks with that
-        tenant's key); synchronous, so the task owns the part from here on."""
-        scope = trio.CancelScope()
-        self._calibrations[part.tier.name] = scope
-        self._nursery.start_soon(
-            self._calibrate, part, scope, tenant, name=f"calibrate:{part.tier.name}"
-        )
-
-    async def _calibrate(self, part: _Part, scope: trio.CancelScope, tenant: bytes) -> None:
-        """Load ``part`` into arena buffers under the limiter, as a lookup's load (its time
-        measures the tier's throughput: :meth:`_load_batches`), then release everything.
-        Cancelled when the engine closes."""
-        tier = part.tier
-        t0 = trio.current_time()
-        try:
-            with scope:
-                await self._load_part(part, None, tenant)
-        finally:
-            loaded = part.loaded
-            n_bytes = sum(len(buf.view()) for buf in part.buffers[: loaded * self._kpc])
-            part.release_buffers()
-            part.pins.release()
-            del self._calibrations[tier.name]
-            self._calibrated.unpark_all()
-            if loaded:
-                tier.stats.calibrations += 1
-            if self._trace.enabled:
-                seconds = trio.current_time() - t0
-                self._trace.emit(
-                    CalibrationTrace(
-                        self._trace.rank, self._trace.wall() - seconds, tier.name, loaded,
-                        n_bytes, seconds, tier.stats.load_bytes_per_s_ewma,
-                    )
-                )  # fmt: skip
-
+    # -- measuring a tier in the background (lmprefetch.calibration) ------------------------
     @property
     def calibrating(self) -> int:
         """Background measurements of tiers in flight."""
-        return len(self._calibrations)
+        return self._calibrations.in_flight
 
     async def wait_calibrated(self) -> None:
         """Wait until no background measurement is in flight (a checkpoint either way)."""
-        if not self._calibrations:
-            await trio.lowlevel.checkpoint()
-            return
-        while self._calibrations:
-            await self._calibrated.park()
+        await self._calibrations.wait()
 
     def close(self) -> None:
         """New lookups answer 0; background measurements are cancelled."""
         self.closed = True
-        for scope in self._calibrations.values():
-            scope.cancel()
+        self._calibrations.close()
 
     # -- loading one tier's part ----------------------------------------------------------
     async def _load_part(
