@@ -54,7 +54,7 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("hash", "hashing (xxh3, a file not verified yet or changed)"),
     ("codec", "codec stage (decode, and its copy out of scratch; 0: passthrough)"),
     ("thread", "read threads' other time (Python between calls, GIL waits)"),
-    ("probe", "probe (the index walk and its checkpoint)"),
+    ("probe", "probe (the disk tier's index walk; its checkpoint is Trio's)"),
     ("trio", "Trio's own run time (task steps, the scheduler)"),
     ("limiter", "read-limiter waits"),
     ("handoff", "thread hand-offs (token → thread runs, thread done → task runs)"),

@@ -219,9 +219,9 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
         return key in self._index
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        await trio.lowlevel.checkpoint()
         phases = self.phases
         t0 = perf_counter() if phases is not None else 0.0
-        await trio.lowlevel.checkpoint()
         found = self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
         if phases is not None:
             phases.add("probe", t0, perf_counter())
