@@ -42,7 +42,6 @@ a missing or short key stops the start-up).
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +50,13 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from . import config_checks as checks
+from .config_checks import (
+    LOAD_POLICIES,
+    MOONCAKE_PROTOCOLS,
+    MOONCAKE_SEGMENT_MIN,
+    parse_host_port,
+)
 from .config_fields import (
     ENV_PREFIX,
     FieldSpec,
@@ -121,103 +127,6 @@ _Seconds = Annotated[float, Meta(gt=0, le=_YEAR_S)]
 _NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
-def _no_at_sign(name: str) -> str | None:
-    # A key is its parts joined by "@"; a model name with one would read back as other parts.
-    if "@" in name:
-        return f"must not contain '@' (it separates the parts of a key), got {name!r}"
-    return None
-
-
-def _redis_urls(urls: str) -> str | None:
-    for url in (u.strip() for u in urls.split(",")):
-        if not url.startswith(("redis://", "rediss://")):
-            return f"each entry must start with redis:// or rediss://, got {url!r}"
-    return None
-
-
-#: ``mooncake_protocol`` values (the transports of Mooncake's non-CUDA build).
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-#: The smallest segment Mooncake accepts (a smaller one fails the client's setup).
-MOONCAKE_SEGMENT_MIN = 16 * MiB
-
-
-def parse_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``.
-
-    Raises:
-        ValueError: not a host and a port in 1..65535.
-    """
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if (
-        not sep
-        or not host
-        or not (port.isascii() and port.isdigit())
-        or not 0 < int(port) < 65536
-        or any(ch.isspace() or ch in "/[]" for ch in host)
-        or not host.isprintable()
-    ):
-        raise ValueError(f"expected host:port (mooncake_master's RPC service), got {address!r}")
-    return host, int(port)
-
-
-def _host_port(address: str) -> str | None:
-    try:
-        parse_host_port(address)
-    except ValueError as exc:
-        return f"must be {str(exc).removeprefix('expected ')}"
-    return None
-
-
-def _no_spaces(text: str) -> str | None:
-    # Mooncake reads these as one token each (a URL, a host name): a space is always a typo.
-    if any(ch.isspace() for ch in text) or not text.isprintable():
-        return f"must not contain spaces or control characters, got {text!r}"
-    return None
-
-
-#: The load policies ``load_policy`` names without a module (see :mod:`lmprefetch.policy`).
-LOAD_POLICIES = ("always", "never", "cost")
-_CUSTOM_POLICY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
-
-
-def _load_policy(name: str) -> str | None:
-    # Only the form: the module is imported when the engine opens (lmprefetch.policy).
-    if name in LOAD_POLICIES or _CUSTOM_POLICY.fullmatch(name):
-        return None
-    return f"must be one of {LOAD_POLICIES} or 'package.module:Class', got {name!r}"
-
-
-def _mooncake_segment(size: int) -> str | None:
-    # 0 is allowed (the standalone-store deployment), so this is not a lower bound.
-    if size != 0 and size < MOONCAKE_SEGMENT_MIN:
-        return (
-            f"must be 0 (contribute no memory) or at least {MOONCAKE_SEGMENT_MIN} "
-            f"(16 MiB, Mooncake's least), got {size}"
-        )
-    return None
-
-
-def _codec_name(name: str) -> str | None:
-    # The name only (and that its libraries are installed); the dtype rule is in _check_rules.
-    from .codec.registry import codec_problem
-
-    return codec_problem(name)
-
-
-def _key_file(path: str) -> str | None:
-    # Read at start-up, where the configuration is built (a few bytes): a missing, unreadable or
-    # short key file must stop the start, not turn every later store into a miss.
-    from .codec.encryption import KeyFileError, cryptography_missing, load_master_key
-
-    try:
-        load_master_key(path)
-    except KeyFileError as exc:
-        return str(exc).partition(": ")[2]
-    return cryptography_missing()
-
-
 class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """All settings of an lmprefetch engine and of the scheduler-side client.
 
@@ -253,7 +162,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     model_name: Annotated[
         _NonEmpty,
         Meta(
-            extra={"check": _no_at_sign},
+            extra={"check": checks.no_at_sign},
             description="Names the model in every key, so engines serving different models "
             "never share chunks; must not contain ``@``.  The vLLM connector sets it to the "
             "model path.",
@@ -306,7 +215,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     load_policy: Annotated[
         _NonEmpty,
         Meta(
-            extra={"check": _load_policy},
+            extra={"check": checks.load_policy},
             description="How much of a hit a lookup loads: ``always`` (all of it), ``never`` "
             "(nothing: answer at once, recompute), ``cost`` (the prefix expected to reach the "
             "first token soonest, from measured tier and prefill costs), or "
@@ -439,7 +348,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     redis_url: Annotated[
         str | None,
         Meta(
-            extra={"check": _redis_urls},
+            extra={"check": checks.redis_urls},
             description="``redis://host:port`` for a standalone server, or a comma-separated "
             "list of such URLs for a Redis Cluster; unset (``None``) disables the remote tier.",
         ),
@@ -484,7 +393,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     mooncake_master: Annotated[
         str | None,
         Meta(
-            extra={"check": _host_port},
+            extra={"check": checks.host_port},
             description="``host:port`` of a running ``mooncake_master`` (its RPC port); unset "
             "(``None``) disables the Mooncake tier.  Probed after the disk and Redis tiers; "
             "shared by every engine that points at the same master.  Needs the ``mooncake`` "
@@ -494,7 +403,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     mooncake_metadata_server: Annotated[
         _NonEmpty,
         Meta(
-            extra={"check": _no_spaces},
+            extra={"check": checks.no_spaces},
             description="Where Mooncake clients find each other's memory: ``P2PHANDSHAKE`` (no "
             "server: peers exchange it directly), ``http://host:port/metadata`` (the master's "
             "``--enable_http_metadata_server``), or an etcd or Redis address.",
@@ -510,7 +419,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     mooncake_local_hostname: Annotated[
         _NonEmpty,
         Meta(
-            extra={"check": _no_spaces},
+            extra={"check": checks.no_spaces},
             description="The address other Mooncake clients reach this worker at: its address "
             "on the network the workers share (``127.0.0.1`` serves one machine only).",
         ),
@@ -520,7 +429,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         Meta(
             ge=0,
             le=256 * TiB,
-            extra={"check": _mooncake_segment},
+            extra={"check": checks.mooncake_segment},
             description="Memory this worker gives Mooncake's pool: 0, or at least 16 MiB "
             "(Mooncake's least).  Chunks (its own and other workers') live in it and go when "
             "the worker stops.  0 for the standalone-store deployment, where a "
@@ -542,7 +451,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     disk_codec: Annotated[
         str,
         Meta(
-            extra={"check": _codec_name},
+            extra={"check": checks.codec_name},
             description="How the disk tier encodes the chunks it writes: ``none`` (as they "
             "are), ``lossless`` (byte planes + zstd), or a lossy codec a user opts into: "
             "``bitround<N>`` (mantissas rounded to N bits, e.g. ``bitround3``), ``fp8``, "
@@ -554,14 +463,14 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     redis_codec: Annotated[
         str,
         Meta(
-            extra={"check": _codec_name},
+            extra={"check": checks.codec_name},
             description="How the Redis tier encodes the chunks it writes (as ``disk_codec``).",
         ),
     ] = "none"
     mooncake_codec: Annotated[
         str,
         Meta(
-            extra={"check": _codec_name},
+            extra={"check": checks.codec_name},
             description="How the Mooncake tier encodes the chunks it writes (as "
             "``disk_codec``).",
         ),
@@ -581,7 +490,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     encryption_key_file: Annotated[
         _NonEmpty | None,
         Meta(
-            extra={"path": True, "check": _key_file},
+            extra={"path": True, "check": checks.key_file},
             description="A file holding the operator's master key (at least 32 bytes, e.g. "
             "``head -c 32 /dev/urandom``), read at start-up: chunks on disk, in Redis and in "
             "Mooncake are then sealed with AES-256-GCM under a key per tenant (``cache_salt``, "

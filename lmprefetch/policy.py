@@ -48,7 +48,7 @@ from typing import Final, Protocol, runtime_checkable
 
 import msgspec
 
-from .config import LOAD_POLICIES, _load_policy
+from .config_checks import LOAD_POLICIES, load_policy
 
 __all__ = [
     "BUILTIN_POLICIES",
@@ -506,7 +506,7 @@ def make_policy(name: str) -> LoadPolicy:
             or the class's instances lack ``chunks_to_load``; the message starts with
             ``load_policy``.
     """
-    problem = _load_policy(name)
+    problem = load_policy(name)
     if problem is not None:
         raise ValueError(f"load_policy: {problem}")
     if name == "always":

@@ -351,11 +351,11 @@ def test_a_chunk_file_read_reports_its_identity(tmp_path: Path) -> None:
     slot = bytearray(SLOT_BYTES)
     first = chunkfile.read_buffered(final, b"k", memoryview(slot))
     st = os.stat(final)
-    assert first == (5000, chunkfile.FileIdentity.of(st), True)
+    assert first == (5000, chunkfile.FileIdentity.of(st), True, False)  # not encoded
     assert first.identity == (st.st_dev, st.st_ino, HEADER_BYTES + 5000, st.st_mtime_ns,
                               st.st_ctime_ns)
     again = chunkfile.read_buffered(final, b"k", memoryview(slot), None, first.identity)
-    assert again == (5000, first.identity, False)
+    assert again == (5000, first.identity, False, False)
     assert bytes(slot[:5000]) == data
     # The header is checked on a trusted read too: another key is a miss.
     with pytest.raises(chunkfile.FileCorrupt, match="another key"):

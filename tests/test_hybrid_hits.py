@@ -46,7 +46,9 @@ class FakeClient:
         skip_tokens: int = 0,
         hashes: list[int] | None = None,
         offsets: list[int] | None = None,
+        salt: bytes | None = None,
     ) -> int | None:
+        assert salt is None  # these requests have no cache salt: the shared name space
         if lookup_id in self.answers:
             return self.answers[lookup_id]
         if lookup_id in self.pending:
