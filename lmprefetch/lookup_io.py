@@ -62,7 +62,7 @@ from .config import PrefetchConfig
 from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
 from .lookup import AnswerCallback, _Lookup, _Lookups
-from .lookup_notes import _Notes, emit
+from .lookup_notes import TraceRecords, _Notes
 from .lookup_parts import Pairs, _Part, _Pins, _release_pairs
 from .memory import Arena, Buffer
 from .policy import (
@@ -133,7 +133,6 @@ class LookupIO:
         self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
             (t, isinstance(t, ZeroCopyTier)) for t in tiers
         )
-        self._tiers_by_name = {t.name: t for t in tiers}
         # ... and which tiers seal chunks per tenant: their loads take the lookup's tenant.
         self._per_tenant = frozenset(id(t) for t in tiers if getattr(t, "per_tenant", False))
         self._other_tiers = tuple(t for t in tiers if t is not cpu)
@@ -152,6 +151,7 @@ class LookupIO:
         self._kpc = config.keys_per_chunk
         self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
         self._trace = trace if trace is not None else DecisionTrace()
+        self._records = TraceRecords(self._trace, policy, prefill, {t.name: t for t in tiers})
         #: Background measurements of tiers: dropped chunks loaded as a lookup's would be.
         self._calibrations = Calibrations(
             nursery=nursery, load=self._load_part, kpc=self._kpc,
@@ -218,7 +218,7 @@ class LookupIO:
                 rec.end(skipped_tokens)
                 if notes is not None:
                     cum = [0, *accumulate(offsets)]
-                    self._emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
+                    self._records.emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
                 return rec
 
         ruled_out: frozenset[Tier] = frozenset()
@@ -254,7 +254,7 @@ class LookupIO:
                     notes.parts = self._hit_parts([(self._cpu, found, True)])
                     notes.decided = started
                 cum = [0, *accumulate(offsets)]
-                self._emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
+                self._records.emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
             return rec
 
         # -- 3. a task probes and loads ---------------------------------------------------
@@ -389,7 +389,7 @@ class LookupIO:
             # answers here (0 once cancelled); one that holds answered above.
             rec.end(cum[chunks])
             if notes is not None:
-                self._emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
+                self._records.emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
 
     async def _probe_and_load(
         self,
@@ -555,23 +555,6 @@ class LookupIO:
             HitPart(t.name, n, n * chunk_bytes, zc, t.stats.cost(now, max_age))
             for t, n, zc in parts
         )
-
-    def _emit(
-        self,
-        notes: _Notes,
-        lookup_id: str,
-        cum: Sequence[int],
-        skip_chunks: int,
-        found: int,
-        keep: int,
-        answer: int | None,
-    ) -> None:
-        """The lookup's trace record (see :func:`lmprefetch.lookup_notes.emit`)."""
-        emit(
-            self._trace, self.policy, self._prefill, self._tiers_by_name, notes, lookup_id,
-            cum, skip_chunks, found, keep, answer,
-        )  # fmt: skip
-
 
     def _ask_policy(self, request: LoadRequest) -> int:
         """The policy's answer to ``request``, clamped to ``[0, request.hit_chunks]``; the

@@ -197,19 +197,29 @@ class ChunkReads:
             i = run.take()
             if i is None:
                 return
-            path, key_bytes, slot, trusted = run.jobs[i]
             try:
-                run.outcomes[i] = self._read_chunk(
-                    path, key_bytes, slot, check, trusted, run.tenant, cached
-                )
+                if not self._read_taken(run, i, check, cached):
+                    return
             except chunkfile.NotCached as exc:
                 run.put_back(i)
                 if exc.unsupported:
                     self.cached_pass = False  # every later load reads as it did before
                 return
-            except (chunkfile.ChunkMiss, OSError) as exc:
-                run.fail(i, exc)
-                return
+
+    def _read_taken(
+        self, run: _LoadRun, i: int, check: Callable[[], None], cached: bool = False
+    ) -> bool:
+        """Read chunk ``i`` of ``run`` (taken by this thread) into its slot; ``False`` when
+        it failed (recorded in ``run``: the load stops there)."""
+        path, key_bytes, slot, trusted = run.jobs[i]
+        try:
+            run.outcomes[i] = self._read_chunk(
+                path, key_bytes, slot, check, trusted, run.tenant, cached
+            )
+        except (chunkfile.ChunkMiss, OSError) as exc:
+            run.fail(i, exc)
+            return False
+        return True
 
     def _read_run(self, run: _LoadRun, max_chunks: int) -> None:
         """Read the next chunks of ``run``, in order, until ``max_chunks`` were read, a read
@@ -217,15 +227,7 @@ class ChunkReads:
         try:
             for _ in range(max_chunks):
                 i = run.take()
-                if i is None:
-                    return
-                path, key_bytes, slot, trusted = run.jobs[i]
-                try:
-                    run.outcomes[i] = self._read_chunk(
-                        path, key_bytes, slot, run.check, trusted, run.tenant
-                    )
-                except (chunkfile.ChunkMiss, OSError) as exc:
-                    run.fail(i, exc)
+                if i is None or not self._read_taken(run, i, run.check):
                     return
         except _Stopped:  # cancelled half-way through chunk i: it stays unread
             return
