@@ -57,10 +57,13 @@ from typing import Final, cast
 
 import trio
 
+from .calibration import CALIBRATION_CHUNKS, Calibrations
 from .config import PrefetchConfig
 from .keys import ChunkKey, KeyMaker
 from .limiter import WeightedCapacityLimiter
 from .lookup import AnswerCallback, _Lookup, _Lookups
+from .lookup_notes import TraceRecords, _Notes
+from .lookup_parts import Pairs, _Part, _Pins, _release_pairs
 from .memory import Arena, Buffer
 from .policy import (
     Decides,
@@ -68,13 +71,11 @@ from .policy import (
     LoadPolicy,
     LoadRequest,
     PrefillModel,
-    TierCost,
-    predict,
     when_decides,
 )
 from .tiers.base import TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
-from .trace import CalibrationTrace, DecisionTrace, LookupTrace, PartTrace, ProbeTrace
+from .trace import DecisionTrace, ProbeTrace
 
 __all__ = ["CALIBRATION_CHUNKS", "LOAD_BATCHES", "LOAD_DEPTH", "LookupIO"]
 
@@ -86,121 +87,7 @@ log = logging.getLogger("lmprefetch.engine")
 LOAD_BATCHES: Final = 8
 #: ... and this many of them in flight at once.
 LOAD_DEPTH: Final = 3
-#: Chunks a background measurement of a tier loads (see :meth:`LookupIO._calibrate`).
-CALIBRATION_CHUNKS: Final = 2
 
-Pairs = list[tuple[ChunkKey, Buffer]]
-
-
-class _Pins:
-    """The pins one probe took on one tier; released exactly once, possibly in parts."""
-
-    __slots__ = ("keys", "tier")
-
-    def __init__(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
-        self.tier = tier
-        self.keys = list(keys)
-
-    def release_from(self, index: int) -> None:
-        tail, self.keys = self.keys[index:], self.keys[:index]
-        if tail:
-            self.tier.unpin(tail)
-
-    def release(self) -> None:
-        self.release_from(0)
-
-
-class _Part:
-    """One tier's share of a lookup: the ``n_chunks`` chunks after the earlier tiers' shares."""
-
-    __slots__ = ("buffers", "keys", "loaded", "n_chunks", "pins", "probe_s", "tier", "zero_copy")
-
-    def __init__(
-        self,
-        tier: Tier,
-        keys: list[ChunkKey],
-        n_chunks: int,
-        pins: _Pins,
-        zero_copy: bool,
-        probe_s: float | None = None,
-    ):
-        self.tier = tier
-        #: How long this lookup's probe of the tier took: the latency of its load's call.
-        self.probe_s = probe_s
-        self.keys = keys
-        self.n_chunks = n_chunks
-        self.pins = pins
-        self.zero_copy = zero_copy
-        self.buffers: list[Buffer] = []  # owned by this part until moved to the lookup
-        self.loaded = 0  # whole chunks loaded contiguously from the part's first
-
-    def release_buffers(self, start: int = 0) -> None:
-        tail, self.buffers = self.buffers[start:], self.buffers[:start]
-        for buf in tail:
-            buf.release()
-
-    def split_off(self, lo: int, hi: int, kpc: int) -> _Part:
-        """Chunks ``[lo, hi)`` (not loaded yet) as a part of their own, which takes their pins
-        over (synchronous: no pin is released or taken)."""
-        keys = self.keys[lo * kpc : hi * kpc]
-        taken = set(keys)
-        self.pins.keys = [k for k in self.pins.keys if k not in taken]
-        return _Part(self.tier, keys, hi - lo, _Pins(self.tier, keys), False, self.probe_s)
-
-    def truncate(self, n_chunks: int, kpc: int) -> None:
-        """Keep only the first ``n_chunks`` chunks: the rest's pins and buffers are released
-        now (synchronous)."""
-        self.n_chunks = n_chunks
-        self.keys = self.keys[: n_chunks * kpc]
-        self.pins.release_from(n_chunks * kpc)
-        self.release_buffers(n_chunks * kpc)
-        self.loaded = min(self.loaded, n_chunks)
-
-
-def _part_trace(part: HitPart, age_s: float | None) -> PartTrace:
-    cost: TierCost = part.cost
-    return PartTrace(
-        part.tier, part.chunks, part.bytes, part.zero_copy, cost.latency_s, cost.bytes_per_s, age_s
-    )
-
-
-def _release_pairs(pairs: Pairs) -> None:
-    for _, buf in pairs:
-        buf.release()
-
-
-class _Notes:
-    """What one lookup noted for its trace record (built only while the engine's
-    :class:`~lmprefetch.trace.DecisionTrace` has a subscriber): Trio times from its start."""
-
-    __slots__ = (
-        "calibrating",
-        "decided",
-        "load_ended",
-        "load_started",
-        "not_probed",
-        "parts",
-        "probes",
-        "t0",
-    )
-
-    def __init__(self, t0: float) -> None:
-        self.t0 = t0
-        self.probes: list[ProbeTrace] = []
-        self.not_probed: list[str] = []
-        self.calibrating: list[str] = []
-        #: The hit as the policy saw it (or would have: a policy deciding before probing).
-        self.parts: tuple[HitPart, ...] = ()
-        self.decided: float | None = None
-        self.load_started: float | None = None
-        self.load_ended: float | None = None
-
-    def loads_began(self) -> None:
-        if self.load_started is None:
-            self.load_started = trio.current_time()
-
-    def loads_ended(self) -> None:
-        self.load_ended = trio.current_time()
 
 
 class LookupIO:
@@ -258,15 +145,18 @@ class LookupIO:
         self._worth_probing = (
             None if self._decides_first else getattr(policy, "worth_probing", None)
         )
-        #: Background measurements of tiers in flight: their cancel scopes, by tier name.
-        self._calibrations: dict[str, trio.CancelScope] = {}
-        self._calibrated = trio.lowlevel.ParkingLot()
         self._prefill = prefill
         self._lookups = lookups
         self._nursery = nursery
         self._kpc = config.keys_per_chunk
         self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
         self._trace = trace if trace is not None else DecisionTrace()
+        self._records = TraceRecords(self._trace, policy, prefill, {t.name: t for t in tiers})
+        #: Background measurements of tiers: dropped chunks loaded as a lookup's would be.
+        self._calibrations = Calibrations(
+            nursery=nursery, load=self._load_part, kpc=self._kpc,
+            max_age_s=config.tier_cost_max_age_s, trace=self._trace,
+        )  # fmt: skip
         #: Set when the engine closes: new lookups answer 0.
         self.closed = False
 
@@ -328,7 +218,7 @@ class LookupIO:
                 rec.end(skipped_tokens)
                 if notes is not None:
                     cum = [0, *accumulate(offsets)]
-                    self._emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
+                    self._records.emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
                 return rec
 
         ruled_out: frozenset[Tier] = frozenset()
@@ -364,7 +254,7 @@ class LookupIO:
                     notes.parts = self._hit_parts([(self._cpu, found, True)])
                     notes.decided = started
                 cum = [0, *accumulate(offsets)]
-                self._emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
+                self._records.emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
             return rec
 
         # -- 3. a task probes and loads ---------------------------------------------------
@@ -499,7 +389,7 @@ class LookupIO:
             # answers here (0 once cancelled); one that holds answered above.
             rec.end(cum[chunks])
             if notes is not None:
-                self._emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
+                self._records.emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
 
     async def _probe_and_load(
         self,
@@ -601,10 +491,10 @@ class LookupIO:
                     )
                     for part in parts:
                         mine = max(0, min(part.n_chunks, keep))
-                        if mine < part.n_chunks and self._needs_measuring(part):
+                        if mine < part.n_chunks and self._calibrations.needed(part):
                             # Chunks of a tier not measured (lately) go: measure it with some.
                             hi = min(part.n_chunks, mine + CALIBRATION_CHUNKS)
-                            self._calibrate_soon(part.split_off(mine, hi, kpc), tenant)
+                            self._calibrations.start_soon(part.split_off(mine, hi, kpc), tenant)
                             if notes is not None:
                                 notes.calibrating.append(part.tier.name)
                         part.truncate(mine, kpc)
@@ -666,73 +556,6 @@ class LookupIO:
             for t, n, zc in parts
         )
 
-    def _emit(
-        self,
-        notes: _Notes,
-        lookup_id: str,
-        cum: Sequence[int],
-        skip_chunks: int,
-        found: int,
-        keep: int,
-        answer: int | None,
-    ) -> None:
-        """The lookup's trace record (see :class:`~lmprefetch.trace.LookupTrace`)."""
-        t0 = notes.t0
-        computed = cum[skip_chunks]
-        request = LoadRequest(
-            parts=notes.parts,
-            chunk_tokens=tuple(
-                cum[i + 1] - cum[i] for i in range(skip_chunks, skip_chunks + found)
-            ),
-            computed_tokens=computed,
-            prompt_tokens=cum[-1],
-            prefill=self._prefill,
-        )
-        load_s, recompute_s = predict(request, keep) if found else (None, None)
-        load_all_s = predict(request, found)[0] if found else None
-        recompute_all_s = predict(request, 0)[1] if found else None
-        coefficients, source = self._prefill.state()
-        by_name = {t.name: t for t, _ in self._probe_order}
-        decision = (
-            "miss" if not found else
-            "loaded" if keep >= found else "truncated" if keep else "skipped"
-        )  # fmt: skip
-        load = None
-        if notes.load_started is not None and notes.load_ended is not None:
-            load = notes.load_ended - notes.load_started
-        self._trace.emit(
-            LookupTrace(
-                rank=self._trace.rank,
-                lookup_id=lookup_id,
-                wall=self._trace.wall() - (trio.current_time() - t0),
-                policy=type(self.policy).__name__,
-                prompt_tokens=cum[-1],
-                computed_tokens=computed,
-                hit_chunks=found,
-                hit_tokens=cum[skip_chunks + found] - computed,
-                kept_chunks=keep,
-                kept_tokens=cum[skip_chunks + keep] - computed,
-                decision=decision,
-                parts=tuple(
-                    _part_trace(p, by_name[p.tier].stats.throughput_age_s(t0)) for p in notes.parts
-                ),
-                probes=tuple(notes.probes),
-                prefill_a=None if coefficients is None else coefficients[0],
-                prefill_b=None if coefficients is None else coefficients[1],
-                prefill_source=source,
-                predicted_load_s=load_s,
-                predicted_recompute_s=recompute_s,
-                predicted_load_all_s=load_all_s,
-                predicted_recompute_all_s=recompute_all_s,
-                decided_s=None if notes.decided is None else notes.decided - t0,
-                load_s=load,
-                answered_s=trio.current_time() - t0,
-                answer_tokens=answer if answer is not None else 0,
-                not_probed=tuple(notes.not_probed),
-                calibrating=tuple(notes.calibrating),
-            )
-        )
-
     def _ask_policy(self, request: LoadRequest) -> int:
         """The policy's answer to ``request``, clamped to ``[0, request.hit_chunks]``; the
         whole hit when the policy raises (logged)."""
@@ -752,74 +575,20 @@ class LookupIO:
             )  # fmt: skip
         return keep
 
-    # -- measuring a tier in the background ------------------------------------------------
-    def _needs_measuring(self, part: _Part) -> bool:
-        """Whether dropped chunks of ``part`` should measure its tier: not zero-copy, its
-        throughput never measured or older than ``tier_cost_max_age_s``, and no measurement
-        of it in flight."""
-        if part.zero_copy or part.tier.name in self._calibrations or self.closed:
-            return False
-        stats = part.tier.stats
-        if stats.load_bytes_per_s_ewma is None:
-            return True
-        age = stats.throughput_age_s(trio.current_time())
-        return age is not None and age > self._config.tier_cost_max_age_s
-
-    def _calibrate_soon(self, part: _Part, tenant: bytes) -> None:
-        """Start measuring ``part``'s tier by loading ``part`` (which owns its pins) in the
-        background, as ``tenant`` (the lookup's: a sealed tier opens its chunks with that
-        tenant's key); synchronous, so the task owns the part from here on."""
-        scope = trio.CancelScope()
-        self._calibrations[part.tier.name] = scope
-        self._nursery.start_soon(
-            self._calibrate, part, scope, tenant, name=f"calibrate:{part.tier.name}"
-        )
-
-    async def _calibrate(self, part: _Part, scope: trio.CancelScope, tenant: bytes) -> None:
-        """Load ``part`` into arena buffers under the limiter, as a lookup's load (its time
-        measures the tier's throughput: :meth:`_load_batches`), then release everything.
-        Cancelled when the engine closes."""
-        tier = part.tier
-        t0 = trio.current_time()
-        try:
-            with scope:
-                await self._load_part(part, None, tenant)
-        finally:
-            loaded = part.loaded
-            n_bytes = sum(len(buf.view()) for buf in part.buffers[: loaded * self._kpc])
-            part.release_buffers()
-            part.pins.release()
-            del self._calibrations[tier.name]
-            self._calibrated.unpark_all()
-            if loaded:
-                tier.stats.calibrations += 1
-            if self._trace.enabled:
-                seconds = trio.current_time() - t0
-                self._trace.emit(
-                    CalibrationTrace(
-                        self._trace.rank, self._trace.wall() - seconds, tier.name, loaded,
-                        n_bytes, seconds, tier.stats.load_bytes_per_s_ewma,
-                    )
-                )  # fmt: skip
-
+    # -- measuring a tier in the background (lmprefetch.calibration) ------------------------
     @property
     def calibrating(self) -> int:
         """Background measurements of tiers in flight."""
-        return len(self._calibrations)
+        return self._calibrations.in_flight
 
     async def wait_calibrated(self) -> None:
         """Wait until no background measurement is in flight (a checkpoint either way)."""
-        if not self._calibrations:
-            await trio.lowlevel.checkpoint()
-            return
-        while self._calibrations:
-            await self._calibrated.park()
+        await self._calibrations.wait()
 
     def close(self) -> None:
         """New lookups answer 0; background measurements are cancelled."""
         self.closed = True
-        for scope in self._calibrations.values():
-            scope.cancel()
+        self._calibrations.close()
 
     # -- loading one tier's part ----------------------------------------------------------
     async def _load_part(

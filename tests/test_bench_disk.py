@@ -90,9 +90,17 @@ def test_bench_disk_measures_each_goals_limit_beside_its_figure() -> None:
     }  # fmt: skip
     sample = bench_disk.Sample("alone", 0)
     load = bench_disk.Load(1.0, 2.0, 0.5)
+    budget = {
+        "one": {"vs_floor": 2.0, "vs_distinct": 1.25, "distinct_vs_floor": 1.6},
+        "eight": {"vs_floor": 1.8, "vs_distinct": 1.2, "distinct_vs_floor": 1.5},
+        "idle_after": True,
+    }
+    bench_disk._budget_figures(budget, load, sample)
     bench_disk._engine_figures(engine, load, sample)
     bench_disk._system_figures(system, load, sample)
     assert sample.limits == {
+        "disk_hit_vs_floor": 1.6,  # plain reads into distinct slots ÷ the floor
+        "disk_x8_vs_floor": 1.5,
         "disk_hit_vs_lmcache": 2500.0 / 5000.0,
         "disk_x8_vs_lmcache": 30000.0 / 40000.0,
         "disk_prefetch_vs_verified_read": 2.0,
@@ -125,9 +133,12 @@ def test_bench_disk_quick_runs_every_condition() -> None:
         assert goal["limit"] is not None and goal["limit"]["value"] > 0, goal["key"]
     keys = {g["key"] for g in r["goals"]}
     assert keys == {
-        f"{k}:{c}" for k in ("disk_prefetch_vs_verified_read", "cancel_release_ms_p99")
+        f"{k}:{c}" for k in ("disk_hit_vs_floor", "disk_x8_vs_floor",
+                             "disk_prefetch_vs_verified_read", "cancel_release_ms_p99")
         for c in ("alone", "burners")
     }  # fmt: skip
+    # The phase budget of each condition is in the report.
+    assert all("budget" in s["raw"] for s in r["samples"])
 
 
 @pytest.mark.lmcache
@@ -147,6 +158,66 @@ def test_bench_disk_quick_measures_lmcache_beside_each_figure() -> None:
                     "disk_hit_cpu_vs_lmcache"):  # fmt: skip
             assert figures[key]["median"] > 0, key
     assert {g["key"].split(":")[0] for g in r["goals"]} == {
-        "disk_hit_vs_lmcache", "disk_x8_vs_lmcache", "disk_prefetch_vs_verified_read",
-        "cancel_release_ms_p99",
+        "disk_hit_vs_floor", "disk_x8_vs_floor", "disk_hit_vs_lmcache", "disk_x8_vs_lmcache",
+        "disk_prefetch_vs_verified_read", "cancel_release_ms_p99",
     }  # fmt: skip
+
+
+def test_the_budget_gives_each_instant_to_the_first_active_phase() -> None:
+    from lmprefetch.bench.disk_budget import PHASES, attribute
+
+    intervals = [
+        ("trio", 0.0, 10.0),  # the Trio thread runs throughout ...
+        ("syscalls", 2.0, 4.0),  # ... but a read in progress comes first
+        ("thread", 1.0, 5.0),
+        ("hash", 3.0, 6.0),  # overlaps the read: only 4-6 is hashing's
+        ("handoff", 9.0, 12.0),  # clipped at the end
+        ("limiter", -5.0, 0.5),  # clipped at the start, and under trio
+    ]
+    got = attribute(intervals, 0.0, 12.0)
+    assert set(got) == {name for name, _ in PHASES}
+    assert got["syscalls"] == 2.0 and got["hash"] == 2.0
+    assert got["thread"] == 1.0  # 1-2 (2-4 is the read's, 4-5 hashing's)
+    assert got["trio"] == 10.0 - 5.0  # 0-1 and 6-10
+    assert got["handoff"] == 2.0 and got["limiter"] == 0.0
+    assert got["idle"] == 0.0
+    assert sum(got.values()) == 12.0
+    # Where nothing is recorded, the time is idle.
+    assert attribute([("probe", 1.0, 2.0)], 0.0, 4.0)["idle"] == 3.0
+
+
+@pytest.mark.slow
+def test_the_phase_budget_accounts_for_the_wall_time_of_each_disk_hit() -> None:
+    """Every phase is reported, the ones a disk hit must have are there, and the phases the
+    disk tier and Trio recorded cover the measured wall time: what nothing recorded is a
+    small share of it (a missing hook would show here as idle time)."""
+    from lmprefetch.bench import disk_budget
+
+    r = disk_budget.measure(
+        chunks=4, chunk_bytes=256 * 1024, repeats=4, x8_repeats=2, cancel_repeats=4
+    )
+    assert r["idle_after"]
+    for case in ("one", "eight"):
+        c = r[case]
+        phases = c["phases"]
+        assert set(phases) == {name for name, _ in disk_budget.PHASES}
+        total = sum(p["wall_s"] for p in phases.values())
+        assert total == pytest.approx(c["wall_s_mean"], rel=1e-6)
+        assert phases["idle"]["wall_s"] <= 0.2 * c["wall_s_mean"], phases
+        for name in ("syscalls", "thread", "probe", "trio", "handoff", "limiter"):
+            assert phases[name]["count"] > 0, name
+        assert phases["syscalls"]["wall_s"] > 0 and phases["trio"]["wall_s"] > 0
+        assert c["floor_s"] > 0 and c["distinct_s"] > 0 and c["vs_floor"] > 0
+    cancel = r["cancel"]
+    assert sum(p["wall_s"] for p in cancel["phases"].values()) == pytest.approx(
+        cancel["wall_s_mean"], rel=1e-6
+    )
+    assert cancel["phases"]["trio"]["count"] > 0  # the unwinding runs on the Trio thread
+    assert 0 < cancel["wall_s_median"] <= cancel["p99_s"] <= cancel["max_s"]
+    # One disk hit of page-cache chunks: one thread call, so two hand-offs.
+    assert r["one"]["phases"]["handoff"]["count"] == 2
+    assert r["eight"]["phases"]["handoff"]["count"] == 16
+    text = disk_budget.format_budget(r)
+    assert text.count("sum (= the mean wall time)") == 3
+    assert "cancel of a disk hit in its read thread → released" in text
+    assert all(label in text for _, label in disk_budget.PHASES)

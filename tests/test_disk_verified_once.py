@@ -308,8 +308,10 @@ async def test_a_trusted_file_changed_during_its_read_is_hashed_after_all(
             real_read_into = chunkfile._read_into
             changed: list[int] = []
 
-            def read_into(fd: int, views: Any, expected: int, offset: int = 0) -> int:
-                got = real_read_into(fd, views, expected, offset)
+            def read_into(
+                fd: int, views: Any, expected: int, offset: int = 0, flags: int = 0
+            ) -> int:
+                got = real_read_into(fd, views, expected, offset, flags)
                 if not changed and os.fstat(fd).st_ino == path.stat().st_ino:
                     changed.append(offset)  # after the first piece: change a later one
                     with open(path, "r+b") as f:

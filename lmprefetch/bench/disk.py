@@ -9,6 +9,12 @@ One command for the disk goals, so that they are always taken the same way:
   concurrency, and cancel of an in-flight disk prefetch → released, p99 and max
   (:func:`lmprefetch.bench.system.run_bench`, with a small workload);
 
+* the phase budget of one disk hit and of eight concurrent ones, against the physical floor
+  measured in the same run: engine disk hit ÷ the same chunk files read plainly by the faster
+  of one or two threads, 8 concurrent lookups ÷ 8 plainly reading threads, and where the time
+  goes (:mod:`lmprefetch.bench.disk_budget`: system calls, hashing, codec, read threads,
+  the probe, Trio's run time, limiter waits, thread hand-offs);
+
 each under two conditions: *alone* (nothing started beside it: on a quiet machine, the machine
 to itself) and *burners* (``--burners`` CPU-bound processes, two by default, running beside the
 whole measurement, so that both sides of every ratio meet them alike).  A run measures both
@@ -132,6 +138,10 @@ def measured_load() -> Iterator[Load]:
 
 #: The figures with a goal: key, label, goal operator, target, unit.
 FIGURES: tuple[tuple[str, str, Literal["<=", ">="], float, str], ...] = (
+    ("disk_hit_vs_floor", "engine disk hit ÷ the floor (faster of 1 or 2 plain reading threads)",
+     "<=", 1.15, "×"),
+    ("disk_x8_vs_floor", "8 concurrent disk lookups ÷ the same files read by 8 plain threads",
+     "<=", 1.15, "×"),
     ("disk_hit_vs_lmcache", "engine disk hit ÷ LMCache", "<=", 0.6, "×"),
     ("disk_x8_vs_lmcache", "8 concurrent disk lookups ÷ LMCache", "<=", 0.6, "×"),
     ("disk_prefetch_vs_verified_read",
@@ -143,6 +153,8 @@ FIGURES: tuple[tuple[str, str, Literal["<=", ">="], float, str], ...] = (
 #: :class:`~lmprefetch.bench.goals.Limit`).  A file verified once and unchanged since is read
 #: without hashing it again, so the disk figures' limit is the plain read of the same files.
 LIMITS = {
+    "disk_hit_vs_floor": "plain reads into distinct slots (as a load must put them) ÷ the floor",
+    "disk_x8_vs_floor": "plain reads into distinct slots (as a load must put them) ÷ the floor",
     "disk_hit_vs_lmcache": "raw read of the same files ÷ LMCache's time",
     "disk_x8_vs_lmcache": "raw read of the same files ÷ LMCache's time",
     "disk_prefetch_vs_verified_read":
@@ -151,6 +163,8 @@ LIMITS = {
 }  # fmt: skip
 #: Figures printed for reference beside them (no goal).
 REFERENCE: tuple[tuple[str, str, str], ...] = (
+    ("disk_hit_vs_distinct", "… engine disk hit ÷ plain reads into distinct slots", "×"),
+    ("disk_x8_vs_distinct", "… 8 concurrent ÷ 8 threads' plain reads into distinct slots", "×"),
     ("disk_hit_hashed_vs_lmcache", "… engine disk hit, every byte hashed again, ÷ LMCache", "×"),
     ("disk_x8_hashed_vs_lmcache", "… 8 concurrent, every byte hashed again, ÷ LMCache", "×"),
     ("disk_hit_cpu_vs_lmcache", "… engine disk hit, CPU time ÷ LMCache's", "×"),
@@ -215,6 +229,16 @@ def _system_figures(r: dict[str, Any], load: Load, sample: Sample) -> None:
     sample.ok = sample.ok and bool(r["leak_free"])
 
 
+def _budget_figures(r: dict[str, Any], load: Load, sample: Sample) -> None:
+    for case, name in (("one", "disk_hit"), ("eight", "disk_x8")):
+        c = r[case]
+        sample.figures[f"{name}_vs_floor"] = c["vs_floor"]
+        sample.figures[f"{name}_vs_distinct"] = c["vs_distinct"]
+        sample.limits[f"{name}_vs_floor"] = c["distinct_vs_floor"]
+        sample.loads[f"{name}_vs_floor"] = sample.loads[f"{name}_vs_distinct"] = load
+    sample.ok = sample.ok and bool(r["idle_after"])
+
+
 def system_options(quick: bool) -> BenchOptions:
     """The ``lmprefetch bench`` run of each condition: the default chat workload replayed
     once, fewer round-trip samples (not disk figures), the disk and cancel probes as usual."""
@@ -227,6 +251,28 @@ def system_options(quick: bool) -> BenchOptions:
     return BenchOptions(repeats=1, miss_lookups=2000, rtt_samples=200, progress=False)
 
 
+def _engine_and_system(
+    sample: Sample, chunks: int, chunk_bytes: int, repeats: int, peer: Any, quick: bool
+) -> None:
+    """The engine's disk cases (against LMCache where ``peer`` is one) and ``lmprefetch
+    bench``'s disk and cancel probes, into ``sample``."""
+    from . import engine as bench_engine
+    from .system import run_bench
+
+    with measured_load() as load:
+        r = bench_engine.run(
+            chunks, chunk_bytes, repeats, lmcache="off" if peer is None else "on",
+            disk_only=True, peer=peer,
+        )  # fmt: skip
+    _engine_figures(r, load, sample)
+    sample.raw["engine"] = r
+    with measured_load() as load:
+        s = run_bench(system_options(quick))
+    _system_figures(s, load, sample)
+    s["replay"] = {k: v for k, v in s["replay"].items() if k != "latencies_ms"}
+    sample.raw["system"] = s
+
+
 def run(
     runs: int = 3,
     repeats: int = 30,
@@ -235,15 +281,16 @@ def run(
     lmcache: str = "auto",
     quick: bool = False,
     log: Any = None,
+    budget_only: bool = False,
 ) -> dict[str, Any]:
     """Measure every condition ``runs`` times (see the module docstring); the samples and
-    :func:`summarize`'s summary."""
+    :func:`summarize`'s summary.  ``budget_only``: only the phase budget and its floors."""
+    from . import disk_budget
     from . import engine as bench_engine
     from .lmcache_peer import LMCachePeer, lmcache_available
-    from .system import run_bench
 
     chunks, chunk_bytes = (4, 256 * 1024) if quick else (16, 2 * MiB)
-    use_peer = lmcache != "off" and lmcache_available()
+    use_peer = not budget_only and lmcache != "off" and lmcache_available()
     if lmcache == "on" and not use_peer:
         raise ValueError("--lmcache on: lmcache is not importable (pip install lmcache==0.5.6)")
     samples: list[Sample] = []
@@ -261,17 +308,11 @@ def run(
                 sample = Sample(condition, i)
                 with burners(n_burners if condition == "burners" else 0):
                     with measured_load() as load:
-                        r = bench_engine.run(
-                            chunks, chunk_bytes, repeats, lmcache="off" if peer is None else "on",
-                            disk_only=True, peer=peer,
-                        )
-                    _engine_figures(r, load, sample)
-                    sample.raw["engine"] = r
-                    with measured_load() as load:
-                        s = run_bench(system_options(quick))
-                    _system_figures(s, load, sample)
-                    s["replay"] = {k: v for k, v in s["replay"].items() if k != "latencies_ms"}
-                    sample.raw["system"] = s
+                        b = disk_budget.measure(chunks, chunk_bytes, repeats, max(3, repeats // 5))
+                    _budget_figures(b, load, sample)
+                    sample.raw["budget"] = b
+                    if not budget_only:
+                        _engine_and_system(sample, chunks, chunk_bytes, repeats, peer, quick)
                 samples.append(sample)
                 if log is not None:
                     log(f"run {i + 1}/{runs} {condition}: "
@@ -353,6 +394,8 @@ def _num(x: float) -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
+    from . import disk_budget
+
     lines = [
         f"lmprefetch bench-disk — {r['runs']} runs × ({', '.join(CONDITIONS)}: "
         f"{r['burners']} CPU-bound processes beside the benchmark), {r['chunks']} chunks × "
@@ -386,6 +429,12 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(text)
             if has_goal:
                 lines += [f"  {x}" for x in by_key[f"{key}:{condition}"].lines()[1:]]
+    for condition in CONDITIONS:
+        first = next((s for s in r.get("samples", ()) if s["condition"] == condition
+                      and "budget" in s["raw"]), None)  # fmt: skip
+        if first is not None:
+            lines += ["", f"  {condition}, run {first['run'] + 1}'s "
+                      + disk_budget.format_budget(first["raw"]["budget"]).lstrip()]
     lines += ["", f"  leak checks and LMCache's answers: {'OK' if r['ok'] else 'FAILED'}"]
     return "\n".join(lines)
 
@@ -400,6 +449,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lmcache", choices=["auto", "on", "off"], default="auto",
                    help="measure LMCache 0.5.6 in this process: auto (when importable), on "
                    "(required), off (default: auto)")
+    p.add_argument("--budget-only", action="store_true",
+                   help="only the phase budget of a disk hit and its floors, alone and beside "
+                   "the burners (a minute, not LMCache's figures nor lmprefetch bench's)")
     p.add_argument("--quick", action="store_true",
                    help="small chunks and a small workload: checks that it runs, no figures")
     p.add_argument("--json", metavar="FILE",
@@ -414,7 +466,7 @@ def main(args: argparse.Namespace) -> int:
         print(text, file=sys.stderr, flush=True)
 
     r = run(args.runs, args.repeats, args.burners, lmcache=args.lmcache, quick=args.quick,
-            log=log)
+            log=log, budget_only=args.budget_only)
     r["goals"] = [g.as_dict() for g in goals(r)]
     if args.json == "-":
         print(json.dumps(r, indent=2, default=str))

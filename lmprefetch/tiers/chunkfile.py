@@ -63,6 +63,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from .._phases import Phases, perf_counter
 from ..keys import ChunkKey
 
 __all__ = [
@@ -119,6 +120,8 @@ PIECE_BYTES = 1024 * 1024
 #: ext4, xfs, btrfs and tmpfs: one tick of the kernel's coarse clock, a few ms).
 RACY_NS = 2_000_000_000
 O_DIRECT_FLAG: int = getattr(os, "O_DIRECT", 0)
+#: ``preadv2``'s ``RWF_NOWAIT`` (Linux 4.14+): read only what the page cache holds.
+NOWAIT_FLAG: int = getattr(os, "RWF_NOWAIT", 0)
 
 FILE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".kv.tmp"
@@ -144,6 +147,16 @@ class FileCorrupt(ChunkMiss):
 
 class TooLarge(ChunkMiss):
     """A valid file whose payload does not fit the destination buffer (the file is kept)."""
+
+
+class NotCached(Exception):
+    """A read with ``nowait`` found bytes of the file that are not in the page cache (reading
+    them would wait for the device): nothing is wrong with the file, read it without
+    ``nowait``.  ``unsupported``: the file system refuses ``RWF_NOWAIT`` altogether."""
+
+    def __init__(self, unsupported: bool = False) -> None:
+        super().__init__("not in the page cache" if not unsupported else "RWF_NOWAIT refused")
+        self.unsupported = unsupported
 
 
 class DirectUnsupported(Exception):
@@ -311,21 +324,32 @@ def read_buffered(
     slot: memoryview,
     check: Callable[[], None] | None = None,
     trusted: FileIdentity | None = None,
+    phases: Phases | None = None,
+    nowait: bool = False,
 ) -> ChunkRead:
     """Read and verify the chunk file ``path`` into ``slot`` through the page cache.
 
     ``check`` is called before each piece after the first, and may raise to stop the read (a
     cancelled load).  If the file's identity is ``trusted`` (what an earlier read that hashed
-    it returned), the checksum is skipped; see :func:`_read_fd`.
+    it returned), the checksum is skipped; see :func:`_read_fd`.  ``phases``: where a
+    benchmark records the time of the system calls and the hashing.  ``nowait``: read only
+    from the page cache (``RWF_NOWAIT``), raising :class:`NotCached` at the first byte that is
+    not there (the slot then holds anything).
     """
+    t0 = perf_counter() if phases is not None else 0.0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    if phases is not None:
+        phases.add("syscalls", t0, perf_counter())
     try:
         return _read_fd(
             fd, key_bytes, slot, bytearray(HEADER_BYTES), direct=False, check=check,
-            trusted=trusted,
+            trusted=trusted, phases=phases, flags=NOWAIT_FLAG if nowait else 0,
         )
     finally:
+        t0 = perf_counter() if phases is not None else 0.0
         os.close(fd)
+        if phases is not None:
+            phases.add("syscalls", t0, perf_counter())
 
 
 def read_direct(
@@ -334,6 +358,7 @@ def read_direct(
     slot: memoryview,
     check: Callable[[], None] | None = None,
     trusted: FileIdentity | None = None,
+    phases: Phases | None = None,
 ) -> ChunkRead:
     """:func:`read_buffered` with ``O_DIRECT`` (``slot`` must be page-aligned); raises
     :class:`DirectUnsupported` when the file system refuses it."""
@@ -348,7 +373,8 @@ def read_direct(
         with mmap.mmap(-1, HEADER_BYTES) as header_page, memoryview(header_page) as header:
             try:
                 return _read_fd(
-                    fd, key_bytes, slot, header, direct=True, check=check, trusted=trusted
+                    fd, key_bytes, slot, header, direct=True, check=check, trusted=trusted,
+                    phases=phases,
                 )
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -368,8 +394,11 @@ def _read_fd(
     direct: bool,
     check: Callable[[], None] | None = None,
     trusted: FileIdentity | None = None,
+    phases: Phases | None = None,
+    flags: int = 0,
 ) -> ChunkRead:
-    """Read header and payload of the open chunk file ``fd``; verify them.
+    """Read header and payload of the open chunk file ``fd``; verify them (``flags``:
+    ``preadv2``'s, for every read).
 
     The payload is read in pieces of :data:`PIECE_BYTES`, and each piece is hashed as soon as
     it has landed, while it is still in the CPU's cache: one pass over memory instead of two
@@ -383,13 +412,16 @@ def _read_fd(
     header (key, length) is checked all the same, and ``fstat`` once more after the last piece:
     a file changed during the read is hashed then.
     """
+    t0 = perf_counter() if phases is not None else 0.0
     identity = FileIdentity.of(os.fstat(fd))
+    if phases is not None:
+        phases.add("syscalls", t0, perf_counter())
     payload_bytes = identity.size - HEADER_BYTES
     if payload_bytes < 0:
         raise FileCorrupt(f"{identity.size} bytes, shorter than the header")
     if payload_bytes > slot.nbytes:
         # Too large for the buffer, or a damaged length: read the header to tell which.
-        if _read_into(fd, [header], HEADER_BYTES) < HEADER_BYTES:
+        if _read_into(fd, [header], HEADER_BYTES, 0, flags) < HEADER_BYTES:
             raise FileCorrupt("short read of the header")
         _check_header(header, key_bytes, payload_bytes)
         raise TooLarge(f"a {payload_bytes}-byte payload for a {slot.nbytes}-byte buffer")
@@ -402,20 +434,25 @@ def _read_fd(
     pos = 0  # payload bytes read so far
     while True:
         n = min(PIECE_BYTES, want - pos)
+        t0 = perf_counter() if phases is not None else 0.0
         with slot[pos : pos + n] as dst:
             if pos == 0:
-                got = _read_into(fd, [header, dst], HEADER_BYTES + n)
+                got = _read_into(fd, [header, dst], HEADER_BYTES + n, 0, flags)
                 if got < HEADER_BYTES:
                     raise FileCorrupt("short read of the header")
                 checksum, encoded = _check_header(header, key_bytes, payload_bytes)
             else:
-                got += _read_into(fd, [dst], n, HEADER_BYTES + pos)
+                got += _read_into(fd, [dst], n, HEADER_BYTES + pos, flags)
+        if phases is not None:
+            phases.add("syscalls", t0, t0 := perf_counter())
         end = min(pos + n, payload_bytes)
         if got < HEADER_BYTES + end:
             raise FileCorrupt("short read (the file shrank)")
         if hasher is not None:
             with slot[pos:end] as piece:
                 hasher.update(piece)
+            if phases is not None:
+                phases.add("hash", t0, perf_counter())
         pos += n
         if pos >= want:
             break
@@ -425,7 +462,10 @@ def _read_fd(
         # Trusted, but changed while it was being read (by someone else: the tier's own writes
         # replace a file, they never write into one)?  Its ctime says so; then the bytes that
         # landed are checked after all.
+        t0 = perf_counter() if phases is not None else 0.0
         after = FileIdentity.of(os.fstat(fd))
+        if phases is not None:
+            phases.add("syscalls", t0, perf_counter())
         if after == identity:
             return ChunkRead(payload_bytes, identity, False, encoded)
         with slot[:payload_bytes] as payload:
@@ -456,15 +496,23 @@ def _check_header(
 
 
 def _read_into(
-    fd: int, views: list[memoryview | bytearray], expected: int, offset: int = 0
+    fd: int, views: list[memoryview | bytearray], expected: int, offset: int = 0, flags: int = 0
 ) -> int:
-    """``preadv`` from ``offset`` until ``expected`` bytes arrived, the views are full or the
-    file ended; the number of bytes read."""
+    """``preadv`` (with ``flags``) from ``offset`` until ``expected`` bytes arrived, the views
+    are full or the file ended; the number of bytes read.  Raises :class:`NotCached` where
+    ``RWF_NOWAIT`` in ``flags`` meets bytes the page cache does not hold, or is refused."""
     pending = [memoryview(view) for view in views]
     got = 0
     try:
         while pending and got < expected:
-            n = os.preadv(fd, pending, offset + got)
+            try:
+                n = os.preadv(fd, pending, offset + got, flags)
+            except BlockingIOError:
+                raise NotCached from None
+            except OSError as exc:
+                if flags and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise NotCached(unsupported=True) from None
+                raise
             if n == 0:
                 break
             got += n

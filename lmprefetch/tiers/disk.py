@@ -3,8 +3,9 @@
 Every chunk lives in its own file ``<key.to_string()>.kv`` under the tier's directory: a
 one-page header (magic, version, payload length, xxh3-64 checksum, the key string) followed by
 the payload.  The format and the synchronous reads and writes are in
-:mod:`lmprefetch.tiers.chunkfile`; this module is the tier around them: the in-memory index,
-the threads, the pins, eviction and write-behind.
+:mod:`lmprefetch.tiers.chunkfile`, the read threads' side of a load in
+:mod:`lmprefetch.tiers.diskread`; this module is the tier around them: the in-memory index, the
+pins, a load's outcome, eviction and write-behind.
 
 The key string in the header means a file can never be taken for another key (a file copied or
 renamed by hand is a miss, not wrong data); the checksum means a torn or bit-flipped payload is a
@@ -25,14 +26,14 @@ tier owns: reads under ``CapacityLimiter(read_threads)`` shared by every load, w
 the directory scan under ``CapacityLimiter(1)``.  The in-memory index (key -> file size, in LRU
 order) is touched only from the Trio thread, so it needs no lock.
 
-A load runs up to ``read_threads`` thread calls that take the load's chunks in order, several
-chunks per call (a thread round trip costs about as much as copying a 2 MiB chunk out of the page
-cache).  Threads that write into a buffer run with ``abandon_on_cancel=False``, and each checks a
-stop flag before every chunk and between the pieces of a chunk (:data:`chunkfile.PIECE_BYTES`,
-each hashed while it is still in the CPU's cache); the flag is set in the abort callback of the
-load's cancellation, synchronously.  So a cancelled load waits for the pieces already being read
-(one per thread), starts no new one, and never leaves a thread writing into a buffer that the
-caller frees.
+A load reads the chunks the page cache holds in one thread call, in order (the page-cache
+pass, ``RWF_NOWAIT``); what would wait for the device goes to up to ``read_threads`` thread calls
+that take the remaining chunks in order, several per call (:mod:`lmprefetch.tiers.diskread`).
+Threads that write into a buffer run with ``abandon_on_cancel=False``, and each checks for the
+load's cancellation before every chunk and between the pieces of a chunk
+(:data:`chunkfile.PIECE_BYTES`, each hashed while it is still in the CPU's cache).  So a
+cancelled load waits for the pieces already being read (one per thread), starts no new one, and
+never leaves a thread writing into a buffer that the caller frees.
 
 Writes are write-behind: :meth:`DiskTier.enqueue_write` takes an owner reference on the cached
 arena buffer and queues it, without blocking; a single writer task writes the queue in order to
@@ -61,135 +62,37 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import NamedTuple
 
 import trio
 
-from ..codec import ChunkStage, CodecMiss, get_codec
+from .._phases import Phases, perf_counter
+from ..codec import ChunkStage, get_codec
 from ..keys import ChunkKey
 from ..memory import Buffer
 from . import chunkfile
 from .base import BaseTier
 from .chunkfile import HEADER_BYTES, MAGIC, FileIdentity
+from .diskread import (
+    _CHUNKS_PER_THREAD_CALL,
+    ChunkReads,
+    _Loaded,
+    _LoadRun,
+    _only_cancelled,
+    _set_when_cancelled,
+    _Undecodable,
+)
 from .writebehind import WriteBehindQueue, WriteEntry, WritesBehind
 
 __all__ = ["HEADER_BYTES", "MAGIC", "DiskTier", "open_disk_tier"]
 
 log = logging.getLogger("lmprefetch.disk")
 
-#: Chunks one thread call reads at most before handing its read-limiter token back.
-_CHUNKS_PER_THREAD_CALL = 8
-
-#: File path, key string, destination slot, and the file's identity if it may skip the hash.
-_ReadJob = tuple[str, bytes, memoryview, FileIdentity | None]
-
-
-class _Loaded(NamedTuple):
-    """A chunk read into its slot, verified (or trusted), and decoded."""
-
-    #: The file's read: ``read.payload_bytes`` are the stored bytes (the encoded chunk).
-    read: chunkfile.ChunkRead
-    #: Read with ``O_DIRECT``.
-    direct: bool
-    #: This host's clock when the read began (before the file was opened).
-    started_ns: int
-    #: Bytes of payload now at the start of the slot (after decoding).
-    payload_bytes: int
-    #: Seconds the codec stage took to decode it (0 for a payload stored as it is), and
-    #: whether it decoded anything.
-    decode_s: float = 0.0
-    decoded: bool = False
-
-
-class _Undecodable(chunkfile.ChunkMiss):
-    """A chunk file whose contents the codec stage refused (it has been unlinked)."""
-
-
-#: A chunk read's outcome, or why it missed.
-_ReadOutcome = _Loaded | chunkfile.ChunkMiss | OSError
-
-#: Per-thread page-aligned buffers that encoded chunks are read into before decoding.
-_scratch = threading.local()
-
-
-def _read_scratch(nbytes: int) -> memoryview:
-    """A page-aligned buffer of at least ``nbytes`` for this thread (an anonymous mapping, so
-    ``O_DIRECT`` reads can land in it), reused from chunk to chunk."""
-    size = -(-nbytes // chunkfile.ALIGN) * chunkfile.ALIGN
-    region: mmap.mmap | None = getattr(_scratch, "region", None)
-    if region is None or len(region) < size:
-        region = _scratch.region = mmap.mmap(-1, size)
-    return memoryview(region)[:size]
-
-
-class _LoadRun:
-    """The chunks of one load, shared by the threads reading them.
-
-    Threads take chunk indices in increasing order (:meth:`take`), so when chunk ``i`` fails,
-    every chunk before ``i`` has been taken already and no chunk after it is ever needed.
-    ``stop`` is set the moment the load is cancelled; a thread checks it before each chunk.
-    """
-
-    __slots__ = ("_first_bad", "_lock", "_next", "jobs", "outcomes", "stop", "tenant")
-
-    def __init__(self, jobs: list[_ReadJob], tenant: bytes = b"") -> None:
-        self.jobs = jobs
-        #: The tenant whose chunks these are (what sealed chunks are opened for).
-        self.tenant = tenant
-        #: Per chunk: ``None`` until read; written by the one thread that took the chunk, read
-        #: by the Trio thread once every thread is done.
-        self.outcomes: list[_ReadOutcome | None] = [None] * len(jobs)
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._first_bad = len(jobs)
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return self._next < self._first_bad and not self.stop.is_set()
-
-    def take(self) -> int | None:
-        """The next chunk to read, or ``None`` when there is none or the load stopped."""
-        with self._lock:
-            if self._next >= self._first_bad or self.stop.is_set():
-                return None
-            self._next += 1
-            return self._next - 1
-
-    def fail(self, i: int, exc: chunkfile.ChunkMiss | OSError) -> None:
-        with self._lock:
-            self.outcomes[i] = exc
-            self._first_bad = min(self._first_bad, i)
-
-    def check(self) -> None:
-        """Raise :class:`_Stopped` once the load is cancelled (between a chunk's pieces)."""
-        if self.stop.is_set():
-            raise _Stopped
-
-
-class _Stopped(Exception):
-    """A chunk read left half-way because its load was cancelled; the chunk is not loaded."""
-
-
-async def _set_when_cancelled(stop: threading.Event) -> None:
-    """Sleep until cancelled, and set ``stop`` as the cancel is delivered: synchronously, in
-    the abort callback, so no thread of the load can start a chunk after it."""
-
-    def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-        stop.set()
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    await trio.lowlevel.wait_task_rescheduled(abort)
-
-
-class DiskTier(WritesBehind, BaseTier):
+class DiskTier(ChunkReads, WritesBehind, BaseTier):
     """Chunk files under ``path``, with an LRU index in memory.
 
     Build it with :func:`open_disk_tier`, which rebuilds the index from the directory and runs
@@ -226,7 +129,6 @@ class DiskTier(WritesBehind, BaseTier):
     ) -> None:
         super().__init__()
         self._owns = owns
-        #: What the tier stores a payload as, and reads it back with.
         self.stage = stage if stage is not None else ChunkStage(get_codec("none"))
         if capacity_bytes < HEADER_BYTES:
             raise ValueError(f"capacity_bytes: must hold one header ({HEADER_BYTES}), got "
@@ -240,8 +142,8 @@ class DiskTier(WritesBehind, BaseTier):
         self.read_threads = read_threads
         self.write_queue = write_queue
         self.close_timeout_s = close_timeout_s
-        #: Whether reads still try ``O_DIRECT`` (set to ``False`` by the first ``EINVAL``).
         self.o_direct_active = bool(o_direct and chunkfile.O_DIRECT_FLAG)
+        self.cached_pass = bool(chunkfile.NOWAIT_FLAG)
         self._read_limiter = trio.CapacityLimiter(read_threads)
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
@@ -270,6 +172,7 @@ class DiskTier(WritesBehind, BaseTier):
         self.verified_reads = 0
         #: Chunks read without hashing: their file was unchanged since a verified read.
         self.trusted_reads = 0
+        self.phases: Phases | None = None  # (lmprefetch bench-disk's budget sets one)
 
     # -- index ------------------------------------------------------------------------
     def _file_path(self, key: ChunkKey) -> str:
@@ -317,7 +220,12 @@ class DiskTier(WritesBehind, BaseTier):
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
         await trio.lowlevel.checkpoint()
-        return self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
+        phases = self.phases
+        t0 = perf_counter() if phases is not None else 0.0
+        found = self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
+        if phases is not None:
+            phases.add("probe", t0, perf_counter())
+        return found
 
     def _drop(self, key: ChunkKey) -> None:
         self._trusted.pop(key, None)
@@ -363,18 +271,22 @@ class DiskTier(WritesBehind, BaseTier):
                 ],
                 tenant,
             )
-            readers = min(self.read_threads, -(-indexed // _CHUNKS_PER_THREAD_CALL))
             try:
+                if self.cached_pass and not self.o_direct_active:
+                    # Page-cache hits, the common case: one thread call reads the chunks in
+                    # order for as long as the page cache holds their bytes (RWF_NOWAIT), and
+                    # checks between pieces whether the load was cancelled.  One hand-off
+                    # each way, no tasks, no nurseries; concurrent loads share the read
+                    # threads through the read limiter, first come first served.  Reads
+                    # from the page cache are bound by memory bandwidth, which more threads
+                    # do not add to (docs/benchmarks.md, the phase budget).
+                    await self._in_thread(self._read_all, run, True)
+                # What is left would wait for the device: several threads, where there are
+                # enough chunks for them.
+                readers = min(self.read_threads, -(-run.remaining() // _CHUNKS_PER_THREAD_CALL))
                 if readers == 1:
-                    # The common case: one thread call reads every chunk, and checks before
-                    # each one whether the load was cancelled.  No tasks, no nurseries.
-                    await trio.to_thread.run_sync(
-                        self._read_all,
-                        run,
-                        limiter=self._read_limiter,
-                        abandon_on_cancel=False,  # the thread writes into the buffers
-                    )
-                else:
+                    await self._in_thread(self._read_all, run, False)
+                elif readers > 1:
                     async with trio.open_nursery() as watch:
                         watch.start_soon(_set_when_cancelled, run.stop)
                         async with trio.open_nursery() as reader_tasks:
@@ -394,57 +306,6 @@ class DiskTier(WritesBehind, BaseTier):
         self.stats.chunks_loaded += count
         self.stats.bytes_loaded += loaded_bytes
         return count
-
-    async def _reader(self, run: _LoadRun) -> None:
-        # One thread call reads several chunks: a thread round trip costs about as much as
-        # copying a 2 MiB chunk out of the page cache (16 x 2 MiB: one call per chunk ran at
-        # ~0.47 of a plain readinto loop, 8 per call at ~0.6-0.75).  The cap hands the read
-        # limiter back now and then, so concurrent loads take turns.
-        while run.has_work():
-            await trio.to_thread.run_sync(
-                self._read_run,
-                run,
-                _CHUNKS_PER_THREAD_CALL,
-                limiter=self._read_limiter,
-                abandon_on_cancel=False,  # the thread writes into buffers the caller frees
-            )
-
-    def _read_all(self, run: _LoadRun) -> None:
-        """Read every chunk of ``run`` in order (runs in a worker thread); stops at the first
-        failed read, and raises ``Cancelled`` before a chunk, or between the pieces of one,
-        once the load was cancelled."""
-        check = trio.from_thread.check_cancelled
-        for i, (path, key_bytes, slot, trusted) in enumerate(run.jobs):
-            check()
-            try:
-                run.outcomes[i] = self._read_chunk(
-                    path, key_bytes, slot, check, trusted, run.tenant
-                )
-            except (chunkfile.ChunkMiss, OSError) as exc:
-                run.fail(i, exc)
-                return
-
-    def _read_run(self, run: _LoadRun, max_chunks: int) -> None:
-        """Read the next chunks of ``run``, in order, until ``max_chunks`` were read, a read
-        failed, the run has no more work or is told to stop (runs in a worker thread)."""
-        try:
-            for _ in range(max_chunks):
-                i = run.take()
-                if i is None:
-                    return
-                path, key_bytes, slot, trusted = run.jobs[i]
-                try:
-                    run.outcomes[i] = self._read_chunk(
-                        path, key_bytes, slot, run.check, trusted, run.tenant
-                    )
-                except (chunkfile.ChunkMiss, OSError) as exc:
-                    run.fail(i, exc)
-                    return
-        except _Stopped:  # cancelled half-way through chunk i: it stays unread
-            return
-        except BaseException:  # a bug: stop the other threads of this load, then propagate
-            run.stop.set()
-            raise
 
     def _settle(
         self, keys: Sequence[ChunkKey], buffers: Sequence[Buffer], run: _LoadRun
@@ -503,91 +364,6 @@ class DiskTier(WritesBehind, BaseTier):
             self._trusted[key] = read.identity
         else:  # racy (too young to tell a later change by its timestamps): hash it next time
             self._trusted.pop(key, None)
-
-    def _read_chunk(
-        self,
-        path: str,
-        key_bytes: bytes,
-        slot: memoryview,
-        check: Callable[[], None] | None = None,
-        trusted: FileIdentity | None = None,
-        tenant: bytes = b"",
-    ) -> _Loaded:
-        """Read, verify and decode one chunk file into ``slot`` (runs in a worker thread);
-        ``check`` runs between its pieces and raises to stop (see
-        :func:`chunkfile.read_buffered`); the checksum is skipped if the file's identity is
-        still ``trusted``; sealed chunks are opened for ``tenant``.
-
-        A passthrough stage reads the file straight into ``slot`` (a file a little larger than
-        the slot, a chunk written under another codec, is read again into scratch); any other
-        reads it into a per-thread scratch buffer and decodes that into ``slot``.
-
-        Raises:
-            chunkfile.FileMissing, chunkfile.FileCorrupt and _Undecodable (after unlinking
-            the file), chunkfile.TooLarge, OSError.
-        """
-        started_ns = time.time_ns()
-        stage = self.stage
-        target = slot if stage.passthrough else _read_scratch(stage.max_read_bytes(slot.nbytes))
-        try:
-            try:
-                read, direct = self._read_file(path, key_bytes, target, check, trusted)
-            except chunkfile.TooLarge:
-                if target is not slot:
-                    raise
-                target = _read_scratch(stage.max_read_bytes(slot.nbytes))
-                read, direct = self._read_file(path, key_bytes, target, check, trusted)
-                if not read.encoded:
-                    raise  # a payload larger than this slot, as it was first found
-        except FileNotFoundError:
-            raise chunkfile.FileMissing(path) from None
-        except chunkfile.FileCorrupt:
-            chunkfile.unlink_quiet(path)
-            raise
-        stored = read.payload_bytes
-        if target is slot and stage.is_raw(slot[:stored], read.encoded):
-            return _Loaded(read, direct, started_ns, stored)
-        t0 = time.perf_counter()
-        refused = None
-        encoded = read.encoded
-        try:
-            if target is slot:  # a passthrough tier's file written under another codec
-                n = stage.decode_in_place(
-                    slot, stored, key_name=key_bytes, tenant=tenant, encoded=encoded
-                )
-            else:
-                n = stage.decode_into(
-                    target[:stored], slot, key_name=key_bytes, tenant=tenant, encoded=encoded
-                )
-        except CodecMiss as exc:
-            refused = str(exc)
-        if refused is not None:
-            # Raised out here, with no trace of the decoder's frames: they hold views of the
-            # slot, which must not outlive the load (the arena could not close).
-            chunkfile.unlink_quiet(path)
-            raise _Undecodable(refused)
-        return _Loaded(read, direct, started_ns, n, time.perf_counter() - t0, encoded)
-
-    def _read_file(
-        self,
-        path: str,
-        key_bytes: bytes,
-        target: memoryview,
-        check: Callable[[], None] | None,
-        trusted: FileIdentity | None,
-    ) -> tuple[chunkfile.ChunkRead, bool]:
-        """Read and verify one chunk file's stored bytes into ``target``; the read, and
-        whether it used ``O_DIRECT``."""
-        if (
-            self.o_direct_active
-            and target.nbytes % chunkfile.ALIGN == 0
-            and chunkfile.address(target) % chunkfile.ALIGN == 0
-        ):
-            try:
-                return chunkfile.read_direct(path, key_bytes, target, check, trusted), True
-            except chunkfile.DirectUnsupported:
-                self.o_direct_active = False  # e.g. tmpfs; every later read is buffered
-        return chunkfile.read_buffered(path, key_bytes, target, check, trusted), False
 
     # -- write-behind -----------------------------------------------------------------
     def enqueue_write(self, key: ChunkKey, buf: Buffer, *, tenant: bytes = b"") -> bool:
@@ -810,19 +586,3 @@ def _encode(
     with buf.view() as payload:
         stored = stage.encode(payload, key_name=key.to_string().encode(), tenant=tenant)
     return stored, time.perf_counter() - t0
-
-
-def _only_cancelled(exc: BaseException) -> trio.Cancelled | None:
-    """``exc`` if it is ``Cancelled``; one of them if ``exc`` is an exception group holding
-    nothing else; ``None`` otherwise."""
-    if isinstance(exc, trio.Cancelled):
-        return exc
-    children = getattr(exc, "exceptions", None)  # a BaseExceptionGroup
-    if not children:
-        return None
-    leaves = [_only_cancelled(child) for child in children]
-    if any(leaf is None for leaf in leaves):
-        return None
-    return leaves[0]
-
-
