@@ -134,7 +134,6 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
     if not hook:
         # What a connector without the hook answers (vLLM's base class).
         connector.may_load_async = lambda request: False  # type: ignore[method-assign]
-    client = connector.scheduler_side.client
     worker = LMPrefetchConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     worker.register_kv_caches({n: torch.zeros(num_blocks, 1, BLOCK, 128) for n in LAYERS})
     context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
@@ -157,7 +156,8 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
         )
 
     def answered(req_id: str) -> None:
-        if client.wait(req_id, WAIT_S) is None:
+        request = connector.scheduler_side.request(req_id)
+        if request is None or request.wait(WAIT_S) is None:
             raise RuntimeError(f"lookup {req_id} not answered within {WAIT_S} s")
 
     def step() -> None:
@@ -222,7 +222,7 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
         add("hit", [*prefix, *tokens(300, 8)], 4)
         answered("hit")
         run_until_finished(["hit"])
-        stats = connector.scheduler_side.counters.totals()
+        stats = connector.scheduler_side.statistics()
     finally:
         scheduler.shutdown()
         worker.shutdown()
@@ -232,7 +232,7 @@ def run(scenario: Scenario, hook: bool, workdir: Path) -> dict[str, Any]:
         "steps_to_load": load_step["hit"] - arrived,
         "prompt_tokens_computed": computed_then["hit"],
         "prompt_tokens": s.prompt_tokens + 8,
-        "lmprefetch_hit_tokens": stats.get("hit_tokens", 0),
+        "lmprefetch_hit_tokens": stats.hit_tokens,
     }
 
 

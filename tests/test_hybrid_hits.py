@@ -1,6 +1,7 @@
-"""The hit of a request on a hybrid model (``lmprefetch.integration.vllm.hits``), against a
-fake lookup client: whatever keys are stored and however the answers are delayed, the hit is
-the highest chunk boundary that every KV cache group can serve, and nothing stays held.
+"""The hit of a request on a hybrid model (:class:`lmprefetch.integration.vllm.request.
+ConnectorRequest`), against a fake lookup client: whatever keys are stored and however the
+answers are delayed, the hit is the highest chunk boundary that every KV cache group can serve,
+the load planned for it claims exactly the lookups it uses, and nothing stays held after it.
 
 No vLLM engine is involved, but the package imports vLLM, so this runs with the vLLM tests.
 """
@@ -16,8 +17,14 @@ from hypothesis import strategies as st
 from .vllm_support import vllm_imports
 
 with vllm_imports():
+    from lmprefetch.integration.vllm import ConnectorStatistics
     from lmprefetch.integration.vllm.groups import KVGroup, KVGroups, group_hash
-    from lmprefetch.integration.vllm.hits import STATE_CANDIDATES, HybridLookup
+    from lmprefetch.integration.vllm.known import KnownChunks
+    from lmprefetch.integration.vllm.request import (
+        STATE_CANDIDATES,
+        ConnectorRequest,
+        RequestContext,
+    )
 
 pytestmark = pytest.mark.vllm
 
@@ -91,6 +98,62 @@ class FakeClient:
         return self.splits.get(lookup_id, []) if lookup_id in self.answers else []
 
 
+class FakeHasher:
+    """Hands out a scenario's chain hashes as a request's (one per whole chunk)."""
+
+    chunk_size = CS
+    save_partial_chunks = False
+
+    def __init__(self, chain: list[int]) -> None:
+        self._chain = chain
+
+    def num_chunks(self, num_tokens: int) -> int:
+        return num_tokens // CS
+
+    def hash(self, token_ids: Any, salt: bytes | None = None) -> list[int]:
+        return self._chain[: len(token_ids) // CS]
+
+
+class FakeRequest:
+    """What the connector reads of a vLLM request before it is scheduled."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.request_id = "r"
+        self.all_token_ids = list(range(num_tokens))
+        self.num_tokens = self.num_prompt_tokens = num_tokens
+        self.num_computed_tokens = 0
+
+
+class FakeBlocks:
+    """vLLM's blocks for a request: every group has distinct real blocks everywhere."""
+
+    def __init__(self, groups: KVGroups) -> None:
+        self._n = 1 + max(g.index for g in groups.groups)
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(list(range(1 + 1000 * i, 1000 * (i + 1))) for i in range(self._n))
+
+
+def request_of(s: dict[str, Any], client: FakeClient, max_tokens: int | None) -> Any:
+    ctx = RequestContext(
+        client=client,  # type: ignore[arg-type]
+        groups=s["groups"],
+        hasher=FakeHasher(s["chain"]),  # type: ignore[arg-type]
+        statistics=ConnectorStatistics(),
+        known=KnownChunks(),
+        claim_ttl_s=30.0,
+        hash_block_size=None,
+    )
+    request = FakeRequest(s["num_tokens"])
+    return ConnectorRequest(
+        request,  # type: ignore[arg-type]
+        ctx,
+        load_ok=True,
+        save_ok=False,
+        max_load_tokens=max_tokens,
+    )
+
+
 def _group(index: int, kind: str, window: int | None = None) -> KVGroup:
     block = 16 if index % 2 else 32
     return KVGroup(index, kind, block, (f"l{index}",), window, 0, bytes([index + 1]) * 16)  # type: ignore[arg-type]
@@ -157,56 +220,48 @@ def best_boundary(s: dict[str, Any]) -> int:
 @given(scenarios())
 def test_the_hit_is_the_highest_boundary_every_group_serves(s: dict[str, Any]) -> None:
     client = FakeClient(s["stored"], s["delays"])
-    lookup = HybridLookup(
-        "r",
-        client,
-        s["groups"],
-        CS,
-        s["chain"],
-        s["num_tokens"],
-        s["local"],  # type: ignore[arg-type]
-        max_tokens=s["max_tokens"],
-    )
-    lookup.start()
-    hit = lookup.poll()
+    r = request_of(s, client, s["max_tokens"])
+    r.start(s["local"])
+    hit = r.poll()
     for _ in range(200):
         if hit is not None:
             break
-        hit = lookup.poll()
+        hit = r.poll()
     assert hit is not None, "the hit never converged"
     assert hit == best_boundary(s) * CS
     if s["max_tokens"] is not None:  # never loads past the request's cap
         assert hit - s["local"] <= s["max_tokens"] or hit <= s["local"]
-    # Only the lookups the load claims are still held, and after the load none is.
-    assert client.live == {sub.lookup_id for sub in lookup.used}
-    lookup.keep_used()
+    # Only the lookups the load claims are still held ...
+    assert client.live == {sub.lookup_id for sub in r.used}
+    # ... vLLM's ask and allocation plan a load that claims exactly them, and none is held
+    # here after it (the workers keep theirs for the claim).
+    external, asynchronous = r.matched(s["local"])
+    assert external == max(hit - s["local"], 0)
+    load = r.plan_load(FakeBlocks(s["groups"]), external)
+    if external:
+        assert asynchronous and load is not None and load.asynchronous
+        assert (load.start_token, load.end_token) == (s["local"], hit)
+        assert [c.lookup_id for c in load.claims] == [sub.lookup_id for sub in r.used]
+        assert all(c.keys for c in load.claims)
+    else:
+        assert load is None
     assert client.live == set()
     # State candidates are probed from the top in batches, never all at once.
     n_mamba = sum(1 for g in s["groups"].groups if g.kind == "mamba")
     if n_mamba:
-        states = [x for x in lookup.lookups if "|lmp-s" in x.lookup_id]
-        assert len(states) <= max(1, lookup.cap - lookup.skip)
-        assert len(states) <= 1 + STATE_CANDIDATES * (
-            1 + (lookup.cap - lookup.skip) // STATE_CANDIDATES
-        )
+        states = [x for x in r.lookups if "|lmp-s" in x.lookup_id]
+        assert len(states) <= max(1, r.cap - r.skip)
+        assert len(states) <= 1 + STATE_CANDIDATES * (1 + (r.cap - r.skip) // STATE_CANDIDATES)
 
 
 @settings(max_examples=100, deadline=None)
 @given(scenarios())
 def test_a_cancelled_request_holds_nothing(s: dict[str, Any]) -> None:
     client = FakeClient(s["stored"], s["delays"] or [2])
-    lookup = HybridLookup(
-        "r",
-        client,
-        s["groups"],
-        CS,
-        s["chain"],
-        s["num_tokens"],
-        s["local"],  # type: ignore[arg-type]
-    )
-    lookup.start()
-    lookup.poll()
-    lookup.cancel()
+    r = request_of(s, client, None)
+    r.start(s["local"])
+    r.poll()
+    r.release()
     assert client.live == set()
 
 
@@ -217,11 +272,17 @@ def test_hit_sources_come_from_the_prefix_lookup_in_tokens() -> None:
     chain = [11, 12, 13, 14]
     stored = {group_hash(g.identity, h) for g in groups.groups for h in chain}
     client = FakeClient(stored, [])
-    client.splits["r|lmp-full"] = [("cpu", 4 * CS), ("disk", 4 * CS)]  # keys 0-3, 4-7
-    lookup = HybridLookup("r", client, groups, CS, chain, 4 * CS + 1, 0)  # type: ignore[arg-type]
-    lookup.start()
-    assert lookup.poll() == 4 * CS
-    assert lookup.sources(0, 4 * CS) == {"cpu": 2 * CS, "disk": 2 * CS}
-    assert lookup.sources(CS, 3 * CS) == {"cpu": CS, "disk": CS}
-    lookup.keep_used()
-    assert lookup.sources(0, 4 * CS) == {}  # forgotten: the split is gone with the lookup
+    client.splits["r"] = [("cpu", 4 * CS), ("disk", 4 * CS)]  # keys 0-3, 4-7
+    s = {"groups": groups, "chain": chain, "num_tokens": 4 * CS + 1}
+    r = request_of(s, client, None)
+    r.start(0)
+    assert r.poll() == 4 * CS
+    assert r.matched(0) == (4 * CS, True)
+    assert r.plan_load(FakeBlocks(groups), 4 * CS) is not None
+    assert r.hit_sources(4 * CS) == {"cpu": 2 * CS, "disk": 2 * CS}
+    # What the split does not cover is counted under "" (vLLM's count is the truth).
+    client.splits["r"] = [("cpu", 2 * CS)]
+    r.start(0)
+    assert r.matched(0) == (4 * CS, True)
+    assert r.plan_load(FakeBlocks(groups), 4 * CS) is not None
+    assert r.hit_sources(4 * CS) == {"cpu": CS, "": 3 * CS}

@@ -45,6 +45,33 @@ def test_the_installed_vllm_has_what_the_connector_needs() -> None:
     compat.require_supported()
 
 
+def test_the_vllm_types_the_connector_names_exist_in_the_installed_vllm() -> None:
+    """The connector names vLLM's types (``Request``, ``KVCacheBlocks``, ...) in its signatures,
+    imported only for type checkers; mypy cannot check them (vLLM is ``follow_imports =
+    skip``: every vLLM name is ``Any`` to it), and the imports never run.  So each is imported
+    here, on every vLLM of the range: a name moved or renamed is a signature that lies."""
+    import ast
+
+    package = Path(compat.__file__).parent
+    named: list[tuple[str, str, str]] = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                named += [
+                    (path.name, stmt.module, alias.name)
+                    for stmt in node.body
+                    if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("vllm")
+                    for alias in stmt.names
+                ]
+    assert {"Request", "KVCacheBlocks", "SchedulerOutput", "VllmConfig"} <= {n for *_, n in named}
+    missing = [
+        f"{module}.{name} ({where})"
+        for where, module, name in named
+        if not hasattr(importlib.import_module(module), name)
+    ]
+    assert missing == []
+
+
 def test_a_vllm_without_what_the_connector_needs_is_refused_in_one_line() -> None:
     class OldBase:  # no bind_kv_cache_manager: nothing could be saved
         pass

@@ -13,6 +13,7 @@ condition variable, ``Engine.wait_quiet`` on a Trio event.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -21,11 +22,16 @@ from typing import Any
 
 import pytest
 
-from .vllm_support import expected_sources, model_runner_output, vllm_imports
+from .vllm_support import (
+    assert_worker_idle,
+    expected_sources,
+    model_runner_output,
+    vllm_imports,
+    wait_worker_quiet,
+)
 
 with vllm_imports():
     import torch
-    import trio
     from vllm import SamplingParams
     from vllm.config import (
         CacheConfig,
@@ -52,13 +58,18 @@ with vllm_imports():
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from lmprefetch.hashing import ChunkHasher
     from lmprefetch.integration.vllm import (
+        ConnectorStatistics,
+        KeyBlocks,
         LMPrefetchConnector,
         LMPrefetchConnectorStats,
+        LoadSpec,
         PagedKVLayout,
         endpoint_names,
         load_prefetch_config,
     )
+    from lmprefetch.worker_statistics import WorkerStatistics
 
 pytestmark = pytest.mark.vllm
 
@@ -204,6 +215,11 @@ class Harness:
     def runtime(self) -> Any:
         return self.worker.worker_side.runtime
 
+    @property
+    def statistics(self) -> ConnectorStatistics:
+        """The connector's counters as vLLM collected them (scheduler side and worker)."""
+        return self.stats.statistics()
+
     def add(
         self,
         req_id: str,
@@ -317,32 +333,18 @@ class Harness:
         raise AssertionError(f"{req_id} did not finish in {max_steps} steps")
 
     def wait_answer(self, req_id: str) -> int:
-        answer = self.client.wait(req_id, WAIT_S)
-        assert answer is not None, f"lookup {req_id} not answered within {WAIT_S} s"
-        return int(answer)
+        """The request's hit (tokens from 0), once its lookup answered."""
+        request = self.connector.scheduler_side.request(req_id)
+        assert request is not None, f"{req_id} is not a request the connector knows"
+        hit = request.wait(WAIT_S)
+        assert hit is not None, f"lookup {req_id} not answered within {WAIT_S} s"
+        return hit
 
-    def wait_worker_quiet(self) -> dict[str, Any]:
-        """Wait until the worker has handled every message the client sent so far, and no
-        lookup task is alive; return the worker's stats.
-
-        A probe lookup (no whole chunk: answered 0 at once, holding nothing) is queued behind
-        everything sent before on the same socket; its answer proves the worker handled those
-        (e.g. a cleanup).  Then ``Engine.wait_quiet`` (a Trio event) under a deadline.
-        """
+    def wait_worker_quiet(self) -> WorkerStatistics:
+        """The worker's statistics once it handled everything sent so far and is quiet
+        (:func:`~tests.vllm_support.wait_worker_quiet`)."""
         self._probes += 1
-        probe = f"probe-{self._probes}"
-        assert self.client.lookup(probe, [1]) is None
-        assert self.wait_answer(probe) == 0
-        self.client.forget(probe)
-        engine = self.runtime.engine
-
-        async def quiet() -> None:
-            with trio.fail_after(WAIT_S):
-                await engine.wait_quiet()
-
-        self.runtime.call(quiet)
-        stats: dict[str, Any] = self.runtime.stats()
-        return stats
+        return wait_worker_quiet(self.client, self.runtime, f"probe-{self._probes}", WAIT_S)
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -369,12 +371,14 @@ def tokens_of(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 997 + 3 for i in range(n)]
 
 
-def assert_worker_idle(stats: dict[str, Any]) -> None:
-    assert stats["inflight_lookups"] == 0
-    assert stats["held_lookups"] == 0
-    assert stats["pinned_chunks"] == 0
-    assert stats["limiter_used"] == 0
-    assert stats["arena_used_bytes"] == stats["cpu_resident_bytes"]
+def load_keys(load: LoadSpec) -> list[KeyBlocks]:
+    """Every key a load claims, in order."""
+    return [k for claim in load.claims for k in claim.keys]
+
+
+def chain(tokens: list[int]) -> list[int]:
+    """The chunk hashes of a prompt (unsalted): a legacy model's keys."""
+    return ChunkHasher(CHUNK).hash(tokens)
 
 
 # -- scheduling -----------------------------------------------------------------------------
@@ -413,12 +417,12 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert h.wait_answer("first") == 0
     out = h.step()
     assert out.num_scheduled_tokens["first"] == 100
-    saves = out.kv_connector_metadata.saves
-    assert [s.first_chunk for s in saves] == [0]
-    assert saves[0].chunk_rows == [2, 2, 2]
+    [save] = out.kv_connector_metadata.saves
+    assert [k.chunk_hash for k in save.keys] == chain(prompt)
+    assert [len(k.block_ids) for k in save.keys] == [2, 2, 2]
     h.run_until_finished("first")
     stats = h.wait_worker_quiet()
-    assert stats["store"]["chunks_stored"] == 3
+    assert stats.engine.store.chunks_stored == 3
     assert_worker_idle(stats)
 
     # Wipe the paged cache (a fresh worker memory): only lmprefetch can bring the KV back.
@@ -431,7 +435,8 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     def check(out: Any) -> None:  # after start_load_kv, before the forward writes anything
         assert out.has_sync_kv_loads
         [load] = out.kv_connector_metadata.loads
-        assert (load.start_token, load.end_token, load.first_chunk) == (0, 96, 0)
+        assert (load.start_token, load.end_token) == (0, 96)
+        assert [k.chunk_hash for k in load_keys(load)] == chain(second)[:3]
         h.assert_loaded("second", second, 0, 96)
 
     out = h.step(before_forward=check)
@@ -439,14 +444,15 @@ def test_miss_then_hit_loads_the_right_bytes_into_the_right_blocks(make_harness:
     assert req.num_computed_tokens == len(second)  # 96 loaded + 40 computed
     assert h.invalid_history[-1] == set()
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 1
+    assert stats.engine.lookups.claimed == 1
     assert_worker_idle(stats)
-    assert h.stats.data["hit_tokens"] == 96
-    assert h.stats.data["lookup_hits"] == 1
-    assert h.stats.data["loaded_chunks"] == 3
-    assert h.stats.data["loaded_bytes"] == 3 * 2 * len(LAYERS) * BLOCK * ROW * 4
+    assert h.statistics.hit_tokens == 96
+    assert h.statistics.lookup_hits == 1
+    assert h.statistics.loaded_chunks == 3
+    assert h.statistics.loaded_bytes == 3 * 2 * len(LAYERS) * BLOCK * ROW * 4
     # The second request's new whole chunk (tokens 96..127) is saved after its forward.
-    assert [s.first_chunk for s in out.kv_connector_metadata.saves] == [3]
+    [save] = out.kv_connector_metadata.saves
+    assert [k.chunk_hash for k in save.keys] == chain(second)[3:4]
 
 
 @pytest.mark.parametrize(
@@ -483,7 +489,7 @@ def test_full_hit_keeps_one_token_to_compute(
     assert out.num_scheduled_tokens["b"] == 1
     assert req.num_computed_tokens == n_tokens
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 1
+    assert stats.engine.lookups.claimed == 1
     assert_worker_idle(stats)
 
 
@@ -495,7 +501,8 @@ def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: st
     if role == "kv_producer":
         out = h.step()
         assert out.num_scheduled_tokens["a"] == 64  # no lookup to wait for
-        assert [s.first_chunk for s in out.kv_connector_metadata.saves] == [0]
+        [save] = out.kv_connector_metadata.saves
+        assert [k.chunk_hash for k in save.keys] == chain(prompt)
     else:
         assert h.wait_answer("a") == 0
         out = h.step()
@@ -503,9 +510,9 @@ def test_producer_only_saves_and_consumer_only_loads(make_harness: Any, role: st
         assert out.kv_connector_metadata.saves == []
     h.run_until_finished("a")
     stats = h.wait_worker_quiet()
-    assert stats["store"]["chunks_stored"] == (2 if role == "kv_producer" else 0)
+    assert stats.engine.store.chunks_stored == (2 if role == "kv_producer" else 0)
     # + the probe:
-    assert stats["server"]["requests_received"] == (1 if role == "kv_producer" else 2)
+    assert stats.server.requests_received == (1 if role == "kv_producer" else 2)
 
 
 def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(
@@ -531,12 +538,14 @@ def test_d15_local_prefix_cache_hit_is_skipped_and_the_rest_loaded_by_chunk(
 
     def check(out: Any) -> None:
         [load] = out.kv_connector_metadata.loads
-        assert (load.first_chunk, load.start_token, load.end_token) == (2, 64, 128)
+        assert (load.start_token, load.end_token) == (64, 128)
+        # Claimed from chunk 2 on: the two chunks vLLM holds were never probed.
+        assert [k.chunk_hash for k in load_keys(load)] == chain(prompt)[2:4]
         h.assert_loaded("rest", prompt, 64, 128)
 
     h.step(before_forward=check)
     assert req.num_computed_tokens == 133
-    assert h.stats.data["loaded_chunks"] >= 2
+    assert h.statistics.loaded_chunks >= 2
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -550,7 +559,8 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
     h.run_until_finished("warm")  # stored in lmprefetch, and cached by vLLM
     req = h.add("again", [*prompt, 3, 4])
     # vLLM holds all four chunks: nothing to look up past them.
-    assert h.connector.scheduler_side._reqs["again"].skip_tokens == 128
+    again = h.connector.scheduler_side.request("again")
+    assert again is not None and again.skip * CHUNK == 128
     assert h.scheduler.reset_prefix_cache()  # ... until its cache is dropped
     h.wait_worker_quiet()
     for t in h.caches.values():
@@ -561,7 +571,8 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
         loads.extend(out.kv_connector_metadata.loads)
         if loads:
             [load] = loads
-            assert (load.first_chunk, load.start_token, load.end_token) == (0, 0, 128)
+            assert (load.start_token, load.end_token) == (0, 128)
+            assert [k.chunk_hash for k in load_keys(load)] == chain(prompt)
             h.assert_loaded("again", prompt, 0, 128)
 
     # vLLM now has 0 < 128 skipped: a gap, so the lookup starts again from chunk 0.  The
@@ -575,14 +586,14 @@ def test_vllm_cache_shrinking_below_the_skipped_prefix_restarts_the_lookup(
         assert h.wait_answer("again") == 128
     assert loads
     assert req.num_computed_tokens == 130
-    assert h.stats.data["lookup_restarts"] == 1
+    assert h.statistics.lookup_restarts == 1
     assert_worker_idle(h.wait_worker_quiet())
 
 
 def test_an_answer_too_old_to_trust_is_looked_up_again(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lmprefetch.integration.vllm.scheduler as connector_module
+    import lmprefetch.integration.vllm.request as request_module
 
     h = make_harness(extra={"claim_ttl_s": 10})
     prompt = tokens_of(17, 64)
@@ -597,8 +608,8 @@ def test_an_answer_too_old_to_trust_is_looked_up_again(
     assert h.wait_answer("c") == 64
     # ... but c's answer is polled only after more than half of claim_ttl_s: the workers may
     # drop the prefetch before the step claims it, so it is cancelled and looked up again.
-    later = connector_module._now() + 6
-    monkeypatch.setattr(connector_module, "_now", lambda: later)
+    later = request_module._now() + 6
+    monkeypatch.setattr(request_module, "_now", lambda: later)
     loads: list[Any] = []
     for _ in range(3):
         out = h.step()
@@ -607,10 +618,10 @@ def test_an_answer_too_old_to_trust_is_looked_up_again(
             break
         assert h.wait_answer("c") == 64  # the fresh lookup (the old answer was dropped)
     assert [s.req_id for s in loads] == ["c"]
-    assert h.stats.data["lookup_restarts"] == 1
+    assert h.statistics.lookup_restarts == 1
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["cancelled"] == 1
-    assert stats["lookups"]["claimed"] == 2
+    assert stats.engine.lookups.cancelled == 1
+    assert stats.engine.lookups.claimed == 2
     assert_worker_idle(stats)
 
 
@@ -621,12 +632,12 @@ def test_abort_while_lookup_pending_reaches_the_worker(make_harness: Any) -> Non
     h.scheduler.schedule()  # pending: no worker yet
     h.scheduler.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
     assert "gone" not in h.scheduler.requests
-    assert h.client.stats()["cancels"] == 1
+    assert h.client.statistics().cancels == 1
     h.register()
     # The request and its cleanup were queued (in this order) before the worker existed.
     stats = h.wait_worker_quiet()
-    assert stats["server"]["requests_received"] == 2  # "gone" and the sync probe
-    assert stats["server"]["cleanups_received"] == 1
+    assert stats.server.requests_received == 2  # "gone" and the sync probe
+    assert stats.server.cleanups_received == 1
     assert_worker_idle(stats)
 
 
@@ -641,11 +652,11 @@ def test_abort_of_an_answered_never_scheduled_request_releases_the_prefetch(
     h.wait_worker_quiet()
     h.add("b", [*prompt, 5])
     assert h.wait_answer("b") == 96  # the worker now holds three prefetched chunks
-    assert h.runtime.stats()["held_lookups"] == 1
+    assert h.runtime.statistics().engine.lookups.held == 1
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["cancelled"] == 1
-    assert stats["lookups"]["claimed"] == 0
+    assert stats.engine.lookups.cancelled == 1
+    assert stats.engine.lookups.claimed == 0
     assert_worker_idle(stats)
 
 
@@ -664,7 +675,7 @@ def test_preempted_request_is_looked_up_again(make_harness: Any) -> None:
     assert "b" in out.preempted_req_ids
     # b comes back through get_num_new_matched_tokens: forget, then a fresh lookup.
     h.step()
-    assert h.stats.data["lookup_restarts"] >= 1
+    assert h.statistics.lookup_restarts >= 1
     assert h.wait_answer("b") == 64  # its chunks were stored before the preemption
     h.run_until_finished("a")
     for t in h.caches.values():
@@ -685,7 +696,7 @@ def test_preempted_request_is_looked_up_again(make_harness: Any) -> None:
     assert resumed[0].end_token == 64
     h.run_until_finished("b")
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 1
+    assert stats.engine.lookups.claimed == 1
     assert_worker_idle(stats)
 
 
@@ -728,7 +739,8 @@ def test_short_claim_reports_the_missing_blocks_and_vllm_recomputes(make_harness
     finally:
         h.worker.worker_side._runtime = real
     [load] = out.kv_connector_metadata.loads
-    lost = set(load.block_ids[2:6])  # chunks 1 and 2: blocks 2..5 of the request
+    blocks = [b for k in load_keys(load) for b in k.block_ids]
+    lost = set(blocks[2:6])  # chunks 1 and 2: blocks 2..5 of the request
     assert h.invalid_history[-1] == lost
     assert req.status == RequestStatus.RUNNING  # "recompute": not failed
     assert req.num_computed_tokens == 2 * BLOCK  # truncated to the first lost block
@@ -736,8 +748,8 @@ def test_short_claim_reports_the_missing_blocks_and_vllm_recomputes(make_harness
     out = h.step()
     assert out.num_scheduled_tokens["b"] == len(prompt) - 2 * BLOCK  # recomputed
     h.run_until_finished("b")
-    assert h.stats.data["load_failures"] == 1
-    assert h.stats.data["failed_blocks"] == 4
+    assert h.statistics.load_failures == 1
+    assert h.statistics.failed_blocks == 4
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -758,8 +770,8 @@ def test_claim_lost_under_fail_policy_ends_the_request_with_an_error(make_harnes
 
 # -- tenants: cache_salt and LoRA ----------------------------------------------------------------
 def saved_hashes(out: Any, req_id: str) -> list[int]:
-    return [h for spec in out.kv_connector_metadata.saves if spec.req_id == req_id
-            for h in spec.chunk_hashes]  # fmt: skip
+    return [k.chunk_hash for spec in out.kv_connector_metadata.saves if spec.req_id == req_id
+            for k in spec.keys]  # fmt: skip
 
 
 def serve(h: Any, req_id: str, prompt: list[int], **kwargs: Any) -> tuple[int, list[int]]:
@@ -804,7 +816,7 @@ def test_cache_salt_requests_are_cached_in_their_own_name_space(make_harness: An
         h.step(before_forward=check)
         h.run_until_finished(req_id)
     assert_worker_idle(h.wait_worker_quiet())
-    assert h.stats.data["lookup_hits"] == 3
+    assert h.statistics.lookup_hits == 3
 
 
 def write_adapter(path: Path, weights: bytes) -> Path:
@@ -1103,6 +1115,7 @@ def test_stats_aggregate_and_rebuild() -> None:
         "hit_rate": 0.25,
     }
     assert not merged.is_empty()
+    assert merged.statistics() == ConnectorStatistics(lookups=4, lookup_hits=1, loaded_bytes=10)
     merged.reset()
     assert merged.is_empty()
     assert LMPrefetchConnector.build_kv_connector_stats(None).is_empty()
@@ -1126,7 +1139,7 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
 ) -> None:
     h = make_harness()
     prompt = _stored(h, 40)
-    submitted = h.client.stats()["submitted"]
+    submitted = h.client.statistics().submitted
     req = h.add("capped", prompt, kv_transfer_params={"max_load_tokens": 64})
     # Only the chunks under the cap were looked up (and loaded) on the workers.
     assert h.wait_answer("capped") == 64
@@ -1134,14 +1147,14 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     def check(out: Any) -> None:
         [load] = out.kv_connector_metadata.loads
         assert (load.start_token, load.end_token) == (0, 64)
-        assert len(load.chunk_hashes) == 2
+        assert len(load_keys(load)) == 2
         h.assert_loaded("capped", prompt, 0, 64)
         sources = h.connector.get_external_cache_hit_sources(req, 64)
         assert sources == expected_sources(HOST=64)  # served by the CPU tier
 
     out = h.step(before_forward=check)
     assert out.num_scheduled_tokens["capped"] == len(prompt) - 64
-    assert h.client.stats()["submitted"] == submitted + 1
+    assert h.client.statistics().submitted == submitted + 1
     # A cap inside a chunk: rounded down to vLLM's 16-token blocks (50 -> 48), the chunks
     # under it looked up (2), and the hit cut to it.
     h.add("odd", prompt, kv_transfer_params={"max_load_tokens": 50})
@@ -1155,9 +1168,9 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
     h.step(before_forward=check_odd)
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
-    assert h.stats.data["load_capped"] == 2
-    assert h.stats.data["load_cap_cut"] == 1  # "odd": 64 found, 48 loaded
-    assert h.stats.data["policy_loaded"] >= 2
+    assert h.statistics.load_capped == 2
+    assert h.statistics.load_cap_cut == 1  # "odd": 64 found, 48 loaded
+    assert h.statistics.policy_loaded >= 2
 
 
 @pytest.mark.parametrize(
@@ -1166,14 +1179,14 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
 def test_a_request_can_ask_to_load_nothing(make_harness: Any, params: dict[str, Any]) -> None:
     h = make_harness()
     prompt = _stored(h, 41)
-    submitted = h.client.stats()["submitted"]
+    submitted = h.client.statistics().submitted
     h.add("none", prompt, kv_transfer_params=params)
     out = h.step()
     assert out.num_scheduled_tokens["none"] == len(prompt)  # computed, not loaded
     assert out.kv_connector_metadata.loads == []
-    assert h.client.stats()["submitted"] == submitted  # not even looked up
+    assert h.client.statistics().submitted == submitted  # not even looked up
     assert_worker_idle(h.wait_worker_quiet())
-    assert h.stats.data["load_skipped"] == 1
+    assert h.statistics.load_skipped == 1
 
 
 def test_bad_load_params_are_ignored_with_a_warning(
@@ -1195,23 +1208,74 @@ def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:
     for name in ("a", "b"):
         h.add(name, prompt)
         h.run_until_finished(name)
-    assert h.client.stats()["submitted"] == 0
+    assert h.client.statistics().submitted == 0
     stats = h.wait_worker_quiet()
     # Saves go on; without lookups neither request knows the chunks are stored: both save.
-    assert stats["store"]["chunks_stored"] == 6
+    assert stats.engine.store.chunks_stored == 6
     assert_worker_idle(stats)
 
 
-def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
+def restarted_from_disk(make_harness: Any, tmp_path: Path, prompt: list[int]) -> Harness:
+    """A fresh connector (both sides) whose disk tier holds ``prompt``'s chunks, stored by an
+    earlier one: its CPU tier is empty and its scheduler side knows nothing."""
     extra = {"disk_path": str(tmp_path / "disk")}
-    prompt = tokens_of(44, 100)
     before = make_harness(extra=extra)
-    before.add("a", prompt)
-    before.wait_answer("a")
-    before.run_until_finished("a")
+    before.add("warm", prompt)
+    before.wait_answer("warm")
+    before.run_until_finished("warm")
     before.runtime.call(before.runtime.engine.flush)  # on disk now
     before.close()
-    after = make_harness(extra=extra)  # a new worker: its CPU tier is empty
+    after: Harness = make_harness(extra=extra)
+    return after
+
+
+def saved_tenants(h: Harness, req_id: str) -> set[bytes]:
+    """Run a request to the end; the tenants its saves named."""
+    tenants: set[bytes] = set()
+    for _ in range(50):
+        if req_id not in h.scheduler.requests:
+            break
+        saves = h.step().kv_connector_metadata.saves
+        tenants |= {spec.tenant for spec in saves if spec.req_id == req_id}
+    assert req_id not in h.scheduler.requests
+    return tenants
+
+
+def test_a_tenants_chunks_are_sealed_for_it_and_opened_by_its_lookups(
+    make_harness: Any, tmp_path: Path
+) -> None:
+    """With ``encryption_key_file``, a salted request's saves name its tenant (the salt's
+    digest, never the salt), so the disk tier seals its chunks for it, and its lookups name
+    it, so a fresh connector opens them; an unsalted request's are the shared name space's."""
+    from lmprefetch.codec import tenant_id
+    from lmprefetch.integration.vllm.tenancy import LoraIdentities, request_salt
+
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    extra = {"disk_path": str(tmp_path / "disk"), "encryption_key_file": str(key)}
+    prompt = tokens_of(47, 100)
+    before = make_harness(extra=extra)
+    req = before.add("a1", prompt, cache_salt="tenant-a")
+    assert before.wait_answer("a1") == 0
+    tenant = tenant_id(request_salt(req, LoraIdentities()))
+    assert tenant != b"" and saved_tenants(before, "a1") == {tenant}
+    before.add("u1", prompt)
+    assert before.wait_answer("u1") == 0
+    assert saved_tenants(before, "u1") == {b""}
+    before.runtime.call(before.runtime.engine.flush)  # on disk now
+    before.close()
+    after: Harness = make_harness(extra=extra)
+    for req_id, kwargs in (("a2", {"cache_salt": "tenant-a"}), ("u2", {})):
+        after.add(req_id, prompt, **kwargs)
+        assert after.wait_answer(req_id) == 96, req_id  # opened from disk
+        after.run_until_finished(req_id)
+    assert after.statistics.lookup_hits == 2
+    assert_worker_idle(after.wait_worker_quiet())
+
+
+def test_hit_sources_say_disk_for_a_disk_hit(make_harness: Any, tmp_path: Path) -> None:
+    prompt = tokens_of(44, 100)
+    after = restarted_from_disk(make_harness, tmp_path, prompt)
     req = after.add("b", prompt)
     assert after.wait_answer("b") == 96
 
@@ -1315,6 +1379,15 @@ def test_connector_counters_reach_vllms_prometheus_hook() -> None:
     assert got == 2
     got = REGISTRY.get_sample_value("vllm:lmprefetch_deadline_cut_total", {"engine": "0"})
     assert got == 1
+    # Every counter the connector declares is exported, with its help.
+    declared = ConnectorStatistics.counters()
+    assert len(declared) == len(dataclasses.fields(ConnectorStatistics))
+    for n, (name, doc) in enumerate(declared):
+        before = REGISTRY.get_sample_value(f"vllm:lmprefetch_{name}_total", {"engine": "0"})
+        metrics.observe({name: n + 1}, 0)
+        after = REGISTRY.get_sample_value(f"vllm:lmprefetch_{name}_total", {"engine": "0"})
+        assert after == (before or 0) + n + 1, name
+        assert doc
 
 
 # -- may_load_async (vLLM 0.34; called here directly, as vLLM does on arrival) -----------------
@@ -1351,7 +1424,7 @@ def test_may_load_async_is_true_for_a_hit_lmprefetch_knows_and_loads_it_asynchro
     assert out.num_scheduled_tokens["second"] == len(second) - 96
     assert req.num_computed_tokens == len(second)
     h.run_until_finished("second")
-    assert h.stats.data["hit_tokens"] == 96
+    assert h.statistics.hit_tokens == 96
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -1362,7 +1435,10 @@ def test_may_load_async_learns_from_a_lookup_that_found_less(make_harness: Any) 
     prompt = tokens_of(42, 70)
     a = h.add("a", prompt)
     # Stale knowledge: the first chunk was held once (e.g. evicted since).
-    h.connector.scheduler_side._known.held([h.connector.scheduler_side._reqs["a"].hashes[0]])
+    side = h.connector.scheduler_side
+    first = side.request("a")
+    assert first is not None
+    side._ctx.known.held(first.hashes[:1])
     b = h.add("b", prompt)
     assert h.connector.may_load_async(b) is True
     assert h.wait_answer("a") == 0 and h.wait_answer("b") == 0
@@ -1371,3 +1447,19 @@ def test_may_load_async_learns_from_a_lookup_that_found_less(make_harness: Any) 
     assert h.connector.may_load_async(c) is False
     for r in (a, b, c):
         h.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def test_may_load_async_knows_the_chunks_a_lookup_found(make_harness: Any, tmp_path: Path) -> None:
+    """Chunks this scheduler side never had saved (on disk from before a restart) are known once
+    a lookup found them: the next request with that prefix is queued for an asynchronous load
+    on arrival."""
+    prompt = tokens_of(46, 100)
+    after = restarted_from_disk(make_harness, tmp_path, prompt)
+    a = after.add("a", prompt)
+    assert after.connector.may_load_async(a) is False
+    assert after.wait_answer("a") == 96
+    b = after.add("b", prompt)
+    assert after.connector.may_load_async(b) is True
+    for r in (a, b):
+        after.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert_worker_idle(after.wait_worker_quiet())

@@ -20,7 +20,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,13 @@ from typing import Any
 
 import pytest
 
-from .vllm_support import expected_sources, model_runner_output, vllm_imports
+from .vllm_support import (
+    assert_worker_idle,
+    expected_sources,
+    model_runner_output,
+    vllm_imports,
+    wait_worker_quiet,
+)
 
 with vllm_imports():
     import torch
@@ -68,10 +74,15 @@ with vllm_imports():
     from vllm.v1.structured_output import StructuredOutputManager
 
     from lmprefetch.hashing import ChunkHasher
-    from lmprefetch.integration.vllm import LMPrefetchConnector, LMPrefetchConnectorStats
+    from lmprefetch.integration.vllm import (
+        ConnectorStatistics,
+        LMPrefetchConnector,
+        LMPrefetchConnectorStats,
+    )
     from lmprefetch.integration.vllm.groups import group_hash, read_groups
-    from lmprefetch.integration.vllm.hits import STATE_CANDIDATES
+    from lmprefetch.integration.vllm.request import STATE_CANDIDATES
     from lmprefetch.keys import ChunkKey
+    from lmprefetch.worker_statistics import WorkerStatistics
 
 from .redis_servers import HAVE_REDIS, RedisServer
 
@@ -284,6 +295,11 @@ class HybridHarness:
     def runtime(self) -> Any:
         return self.worker.worker_side.runtime
 
+    @property
+    def statistics(self) -> ConnectorStatistics:
+        """The connector's counters as vLLM collected them (scheduler side and worker)."""
+        return self.stats.statistics()
+
     def add(
         self,
         req_id: str,
@@ -426,24 +442,19 @@ class HybridHarness:
 
     def wait_hit(self, req_id: str) -> int:
         """The request's converged hybrid hit (tokens), waiting on each pending lookup."""
-        st = self.side._reqs[req_id]
-        for _ in range(64):
-            hit = self.side._poll(st)
-            if hit is not None:
-                return int(hit)
-            assert st.hybrid is not None
-            for sub in st.hybrid.lookups:
-                if sub.sent and sub.answer is None:
-                    assert self.client.wait(sub.lookup_id, WAIT_S) is not None
-        raise AssertionError(f"{req_id}: no hit after 64 rounds")
+        r = self.side.request(req_id)
+        assert r is not None, req_id
+        hit = r.wait(WAIT_S)
+        assert hit is not None, f"{req_id}: no hit within {WAIT_S} s"
+        return hit
 
     def run_until_finished(self, req_id: str, max_steps: int = 50) -> None:
         for _ in range(max_steps):
             if req_id not in self.scheduler.requests:
                 return
             out = self.step()
-            st = self.side._reqs.get(req_id)
-            if req_id not in out.num_scheduled_tokens and st is not None and st.result is None:
+            r = self.side.request(req_id)
+            if req_id not in out.num_scheduled_tokens and r is not None and r.result is None:
                 self.wait_hit(req_id)  # looked up again (after a failed load): wait for it
         raise AssertionError(f"{req_id} did not finish in {max_steps} steps")
 
@@ -454,20 +465,11 @@ class HybridHarness:
         self.run_until_finished(req_id)
         return hit
 
-    def wait_worker_quiet(self) -> dict[str, Any]:
+    def wait_worker_quiet(self) -> WorkerStatistics:
+        """The worker's statistics once it handled everything sent so far and is quiet
+        (:func:`~tests.vllm_support.wait_worker_quiet`)."""
         self._probes += 1
-        probe = f"probe-{self._probes}"
-        assert self.client.lookup(probe, [1]) is None
-        assert self.client.wait(probe, WAIT_S) == 0
-        self.client.forget(probe)
-        engine = self.runtime.engine
-
-        async def quiet() -> None:
-            with trio.fail_after(WAIT_S):
-                await engine.wait_quiet()
-
-        self.runtime.call(quiet)
-        return dict(self.runtime.stats())
+        return wait_worker_quiet(self.client, self.runtime, f"probe-{self._probes}", WAIT_S)
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -491,14 +493,6 @@ def make_harness(model_dir: Path) -> Iterator[Any]:
 
 def tokens_of(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 997 + 3 for i in range(n)]
-
-
-def assert_worker_idle(stats: dict[str, Any]) -> None:
-    assert stats["inflight_lookups"] == 0
-    assert stats["held_lookups"] == 0
-    assert stats["pinned_chunks"] == 0
-    assert stats["limiter_used"] == 0
-    assert stats["arena_used_bytes"] == stats["cpu_resident_bytes"]
 
 
 def group_key(h: HybridHarness, index: int, chunk_hash: int) -> ChunkKey:
@@ -542,7 +536,7 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     n_full_sw = sum(1 for g in groups.groups if g.kind != "mamba")
     n_mamba = sum(1 for g in groups.groups if g.kind == "mamba")
     # Every attention group's 3 chunks, and the Mamba states vLLM handed over at 96.
-    assert stats["store"]["chunks_stored"] == 3 * n_full_sw + n_mamba
+    assert stats.engine.store.chunks_stored == 3 * n_full_sw + n_mamba
     h.wipe()
 
     req = h.add("second", prompt)
@@ -552,7 +546,7 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     loads: list[Any] = []
 
     def check(out: Any) -> None:  # after start_load_kv, before the forward writes anything
-        loads.extend(out.kv_connector_metadata.hybrid_loads)
+        loads.extend(out.kv_connector_metadata.loads)
         if loads:
             h.assert_loaded("second", prompt, 0, 96)
 
@@ -567,11 +561,14 @@ def test_miss_then_hit_restores_every_group(make_harness: Any, config: str) -> N
     assert out.num_scheduled_tokens["second"] == 4  # the rest is computed
     h.run_until_finished("second")
     assert h.wrong_states == []
-    assert h.stats.data["hit_tokens"] == 96
-    assert h.stats.data["lookup_hits"] == 1
+    assert h.statistics.hit_tokens == 96
+    assert h.statistics.lookup_hits == 1
     stats = h.wait_worker_quiet()
     assert_worker_idle(stats)
-    assert stats["lookups"]["claimed"] == len(load.claims)
+    assert stats.engine.lookups.claimed == len(load.claims)
+    # What was loaded is not saved again (neither the chunks nor the state at 96).
+    assert stats.engine.store.chunks_stored == 3 * n_full_sw + n_mamba
+    assert h.statistics.save_chunks_planned == 3 * n_full_sw + n_mamba
 
 
 @pytest.mark.parametrize("config", ["sw+full", "mamba+full"])
@@ -588,7 +585,7 @@ def test_max_load_tokens_caps_a_hybrid_hit_at_a_chunk_boundary(
     loads: list[Any] = []
 
     def check(out: Any) -> None:
-        loads.extend(out.kv_connector_metadata.hybrid_loads)
+        loads.extend(out.kv_connector_metadata.loads)
         if loads:
             h.assert_loaded("capped", prompt, 0, 64)
             sources = h.connector.get_external_cache_hit_sources(req, 64)
@@ -606,11 +603,11 @@ def test_max_load_tokens_caps_a_hybrid_hit_at_a_chunk_boundary(
     assert h.wrong_states == []
     h.wipe()
     # 0: no lookup, nothing loaded.
-    submitted = h.client.stats()["submitted"]
+    submitted = h.client.statistics().submitted
     h.add("none", prompt, kv_transfer_params={"max_load_tokens": 0})
     out = h.step()
-    assert out.kv_connector_metadata.hybrid_loads == []
-    assert h.client.stats()["submitted"] == submitted
+    assert out.kv_connector_metadata.loads == []
+    assert h.client.statistics().submitted == submitted
     h.run_until_finished("none")
     assert_worker_idle(h.wait_worker_quiet())
 
@@ -626,19 +623,19 @@ def test_a_restore_into_the_wrong_place_is_caught(make_harness: Any) -> None:
     h.wipe()
     h.add("second", prompt)
     assert h.wait_hit("second") == 96
-    real = worker_module._WorkerSide._claim_group_keys
+    real = worker_module._WorkerSide._claim
 
-    def skip_states(self: Any, req_id: str, claim: Any, runtime: Any) -> bool:
+    def skip_states(self: Any, req_id: str, claim: Any, runtime: Any) -> int:
         for key in claim.keys:
             if self._groups.groups[0].index == key.group:
                 key.rows, key.block_ids = [], []  # "forget" the Mamba state
-        return bool(real(self, req_id, claim, runtime))
+        return int(real(self, req_id, claim, runtime))
 
-    worker_module._WorkerSide._claim_group_keys = skip_states  # type: ignore[method-assign]
+    worker_module._WorkerSide._claim = skip_states  # type: ignore[method-assign]
     try:
         h.step()
     finally:
-        worker_module._WorkerSide._claim_group_keys = real  # type: ignore[method-assign]
+        worker_module._WorkerSide._claim = real  # type: ignore[method-assign]
     h.run_until_finished("second")
     assert h.wrong_states, "a missing state went unnoticed"
 
@@ -655,7 +652,7 @@ def test_sliding_window_hit_needs_only_the_window(make_harness: Any) -> None:
     loads: list[Any] = []
 
     def check(out: Any) -> None:
-        loads.extend(out.kv_connector_metadata.hybrid_loads)
+        loads.extend(out.kv_connector_metadata.loads)
         if loads:
             h.assert_loaded("b", prompt, 0, 160)
 
@@ -712,7 +709,7 @@ def test_chunked_prefill_saves_a_state_at_every_step_boundary(make_harness: Any)
     h.serve("first", prompt)
     stats = h.wait_worker_quiet()
     # 6 full-attention chunks, states at 2, 4 and 6
-    assert stats["store"]["chunks_stored"] == 6 + 3
+    assert stats.engine.store.chunks_stored == 6 + 3
     h.wipe()
     other = [*prompt[:130], *tokens_of(20, 70)]
     assert h.serve("other", other) == 128
@@ -734,9 +731,9 @@ def test_mamba_candidates_are_probed_in_batches_from_the_top(make_harness: Any) 
     h.wipe()
     h.add("again", longer)
     assert h.wait_hit("again") == 32
-    st = h.side._reqs["again"]
-    assert st.hybrid is not None
-    probed = [s.lookup_id.rsplit("-s", 1)[1] for s in st.hybrid.lookups if "|lmp-s" in s.lookup_id]
+    again = h.side.request("again")
+    assert again is not None
+    probed = [s.lookup_id.rsplit("-s", 1)[1] for s in again.lookups if "|lmp-s" in s.lookup_id]
     # The top boundary first (with the prefix), then a batch of 8 below it, then the rest.
     assert [int(p) for p in probed] == [13, *range(12, 4, -1), *range(4, 0, -1)]
     assert STATE_CANDIDATES == 8
@@ -748,8 +745,8 @@ def test_mamba_candidates_are_probed_in_batches_from_the_top(make_harness: Any) 
 
 # -- failures are reported by request ----------------------------------------------------------
 @contextmanager
-def lost_claims(h: HybridHarness, suffix: str) -> Iterator[None]:
-    """The worker finds nothing for lookups whose id contains ``suffix`` (lost, expired)."""
+def lost_claims(h: HybridHarness, lost: Callable[[str], bool]) -> Iterator[None]:
+    """The worker finds nothing for lookups whose id is ``lost`` (lost, expired)."""
     side = h.worker.worker_side
     real = side._runtime
 
@@ -760,7 +757,7 @@ def lost_claims(h: HybridHarness, suffix: str) -> Iterator[None]:
         @contextmanager
         def claim(self, lookup_id: str) -> Iterator[list[Any]]:
             with real.claim(lookup_id) as items:
-                yield [] if suffix in lookup_id else items
+                yield [] if lost(lookup_id) else items
 
     side._runtime = Losing()
     try:
@@ -778,7 +775,7 @@ def test_a_lost_load_is_reported_by_request_and_recomputed(make_harness: Any, co
     req = h.add("b", prompt)
     assert h.wait_hit("b") == 96
     lost = "|lmp-w" if config == "sw+full" else "|lmp-s"
-    with lost_claims(h, lost):
+    with lost_claims(h, lambda lookup_id: lost in lookup_id):
         h.step()
     results = h.transfer_history[-1]
     assert results.failed_recving == {"b"}
@@ -788,7 +785,7 @@ def test_a_lost_load_is_reported_by_request_and_recomputed(make_harness: Any, co
     h.run_until_finished("b")
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert h.wrong_states == []
-    assert h.stats.data["load_failures"] == 1
+    assert h.statistics.load_failures == 1
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -799,9 +796,43 @@ def test_a_lost_load_under_the_fail_policy_ends_the_request(make_harness: Any) -
     h.wipe()
     req = h.add("b", prompt)
     assert h.wait_hit("b") == 96
-    with lost_claims(h, "|lmp-full"):
+    with lost_claims(h, lambda lookup_id: lookup_id == "b"):  # the prefix lookup
         h.step()
     assert req.status == RequestStatus.FINISHED_ERROR
+    assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_a_load_vllms_blocks_do_not_fit_is_reported_by_request_and_recomputed(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's blocks do not fit the planned load (here: every group's rows refused): nothing is
+    claimed, what the lookups hold is released, and the load is reported failed by request;
+    vLLM takes the request back, and it is looked up (and served) again."""
+    from lmprefetch.integration.vllm import request as request_module
+
+    h = make_harness("sw+full")
+    prompt = tokens_of(21, 100)
+    h.serve("first", prompt)
+    h.wipe()
+    req = h.add("b", prompt)
+    assert h.wait_hit("b") == 96
+    monkeypatch.setattr(request_module, "rows_to_load", lambda *args: None)
+    out = h.step()
+    [load] = out.kv_connector_metadata.loads
+    assert load.claims == []
+    results = h.transfer_history[-1]
+    assert results.failed_recving == results.finished_recving == {"b"}
+    assert h.statistics.lookup_hits == 0
+    # Released, not left to claim_ttl_s.
+    assert h.wait_worker_quiet().engine.lookups.held == 0
+    monkeypatch.undo()
+    h.run_until_finished("b")
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.computed["b"] == len(prompt) - 96  # the second load went through
+    assert h.wrong_states == []
+    assert h.statistics.load_failures == 1
+    assert h.statistics.lookup_restarts == 1
+    assert h.statistics.lookup_hits == 1
     assert_worker_idle(h.wait_worker_quiet())
 
 
@@ -813,10 +844,11 @@ def test_abort_releases_every_lookup_of_the_request(make_harness: Any) -> None:
     h.wipe()
     h.add("b", prompt)
     assert h.wait_hit("b") == 96
-    assert h.runtime.stats()["held_lookups"] >= 2  # full, window and state lookups hold keys
+    # The full, window and state lookups hold keys.
+    assert h.runtime.statistics().engine.lookups.held >= 2
     h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["claimed"] == 0
+    assert stats.engine.lookups.claimed == 0
     assert_worker_idle(stats)
     # Aborted while its lookups are pending: they are cancelled too.
     h.add("c", prompt)
@@ -827,7 +859,7 @@ def test_abort_releases_every_lookup_of_the_request(make_harness: Any) -> None:
     req = h.add("d", prompt)
     assert h.wait_hit("d") == 96
     out = h.scheduler.schedule()
-    assert out.kv_connector_metadata.hybrid_loads
+    assert out.kv_connector_metadata.loads
     h.scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
     h.worker.bind_connector_metadata(out.kv_connector_metadata)
     h.worker.start_load_kv(NO_FORWARD)
@@ -845,9 +877,9 @@ def test_saves_skip_null_blocks_and_name_full_attention_chunks(make_harness: Any
     h.add("a", prompt)
     h.wait_hit("a")
     out = h.step()
-    [save] = out.kv_connector_metadata.hybrid_saves
-    assert sorted(set(save.groups)) == [0, 1]
-    assert all(0 not in ids for ids in save.block_ids)
+    [save] = out.kv_connector_metadata.saves
+    assert sorted({k.group for k in save.keys}) == [0, 1]
+    assert all(0 not in k.block_ids for k in save.keys)
     h.run_until_finished("a")
     h.wait_worker_quiet()
     h.step()  # the scheduler publishes what the worker reported
@@ -986,13 +1018,13 @@ def test_another_server_is_served_from_the_shared_tier(
         flush(first)
         first.close()
         second = make_harness("mamba+sw+full", extra=extra)
-        assert second.runtime.stats()["cpu_resident_chunks"] == 0
+        assert second.runtime.statistics().engine.cpu_resident_chunks == 0
         second.add("b", prompt)
         assert second.wait_hit("b") == 96
         loads: list[Any] = []
 
         def check(out: Any) -> None:
-            loads.extend(out.kv_connector_metadata.hybrid_loads)
+            loads.extend(out.kv_connector_metadata.loads)
             if loads:
                 second.assert_loaded("b", prompt, 0, 96)
 
@@ -1043,7 +1075,7 @@ def test_a_preempted_hybrid_request_is_looked_up_and_loaded_again(make_harness: 
     resumed: list[Any] = []
 
     def check(out: Any) -> None:
-        loads = [s for s in out.kv_connector_metadata.hybrid_loads if s.req_id == victim]
+        loads = [s for s in out.kv_connector_metadata.loads if s.req_id == victim]
         if loads:
             resumed.append(loads[0])
             h.assert_loaded(victim, prompt, 0, loads[0].end_token)
@@ -1051,13 +1083,13 @@ def test_a_preempted_hybrid_request_is_looked_up_and_loaded_again(make_harness: 
     for _ in range(30):
         if resumed:
             break
-        st = h.side._reqs.get(victim)
-        if st is not None and st.result is None and st.hybrid is not None:
+        r = h.side.request(victim)
+        if r is not None and r.result is None and r.lookups:
             h.wait_hit(victim)
         h.step(before_forward=check)
     assert resumed, "the preempted request was not served from lmprefetch"
     assert resumed[0].end_token == 64  # its chunks were stored before the preemption
-    assert h.stats.data["lookup_restarts"] >= 1
+    assert h.statistics.lookup_restarts >= 1
     h.run_until_finished("a")
     h.run_until_finished("b")
     assert_worker_idle(h.wait_worker_quiet())
@@ -1066,7 +1098,7 @@ def test_a_preempted_hybrid_request_is_looked_up_and_loaded_again(make_harness: 
 def test_a_hybrid_answer_too_old_to_trust_is_looked_up_again(
     make_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lmprefetch.integration.vllm.scheduler as connector_module
+    import lmprefetch.integration.vllm.request as request_module
 
     h = make_harness("sw+full", extra={"claim_ttl_s": 10})
     prompt = tokens_of(18, 100)
@@ -1074,26 +1106,28 @@ def test_a_hybrid_answer_too_old_to_trust_is_looked_up_again(
     h.wipe()
     h.add("c", prompt)
     assert h.wait_hit("c") == 96
-    old = list(h.side._reqs["c"].hybrid.lookups)  # type: ignore[union-attr]
+    c = h.side.request("c")
+    assert c is not None
+    old = list(c.lookups)
     # Polled only after more than half of claim_ttl_s: the workers may drop what they hold
     # before the step claims it, so every lookup is cancelled and the request looked up again.
-    later = connector_module._now() + 6
-    monkeypatch.setattr(connector_module, "_now", lambda: later)
+    later = request_module._now() + 6
+    monkeypatch.setattr(request_module, "_now", lambda: later)
     loads: list[Any] = []
     for _ in range(3):
         out = h.step()
-        loads += out.kv_connector_metadata.hybrid_loads
+        loads += out.kv_connector_metadata.loads
         if loads:
             break
         assert h.wait_hit("c") == 96
     [load] = loads
-    assert h.stats.data["lookup_restarts"] == 1
-    new = h.side._reqs["c"].hybrid.lookups  # type: ignore[union-attr]
+    assert h.statistics.lookup_restarts == 1
+    new = c.lookups
     assert not any(n is o for n in new for o in old)
     assert {c.lookup_id for c in load.claims} <= {n.lookup_id for n in new}
     h.run_until_finished("c")
     stats = h.wait_worker_quiet()
-    assert stats["lookups"]["cancelled"] >= 2  # the old prefix and window lookups
+    assert stats.engine.lookups.cancelled >= 2  # the old prefix and window lookups
     assert_worker_idle(stats)
 
 
@@ -1103,33 +1137,25 @@ def test_a_state_goes_into_the_boundary_block_and_every_block_after_it() -> None
     restored state lands in both; vLLM's null block gets nothing, and a sliding-window chunk
     gets only its rows under the window."""
     from lmprefetch.integration.vllm.groups import KVGroup
-    from lmprefetch.integration.vllm.hits import SubLookup
-    from lmprefetch.integration.vllm.plans import plan_hybrid_load
+    from lmprefetch.integration.vllm.request import rows_to_load
 
     mamba = KVGroup(0, "mamba", 16, (L[0],), None, 0, b"m" * 16)
     sw = KVGroup(1, "sliding_window", 16, (L[1],), 40, 0, b"s" * 16)
-
-    class Settled:  # a settled HybridLookup: what plan_hybrid_load reads
-        def __init__(self) -> None:
-            self.used = [
-                SubLookup("r|lmp-s3", [(mamba, 2)], [11], 0),
-                SubLookup("r|lmp-w1-3", [(sw, c) for c in range(3)], [20, 21, 22], 1),
-            ]
-
-    block_ids = [[0, 0, 0, 0, 0, 7, 9], [0, 0, 0, 4, 5, 6, 8]]
-    claims = plan_hybrid_load(Settled(), CHUNK, block_ids, 0, 96)  # type: ignore[arg-type]
-    assert claims is not None
-    state, window = claims
-    [key] = state.keys
-    assert (key.chunk_hash, key.rows, key.block_ids) == (11, [0, 0], [7, 9])
+    state_blocks, window_blocks = [0, 0, 0, 0, 0, 7, 9], [0, 0, 0, 4, 5, 6, 8]
+    # The state after chunk 2 (boundary 96 = block 5) goes into blocks 5 and 6.
+    assert rows_to_load(mamba, 2, CHUNK, state_blocks, 0, 96) == ([0, 0], [7, 9])
     # Window 40 before 96: tokens 57..95, blocks 3..5 (chunk 1 row 1, chunk 2 rows 0 and 1).
-    assert [(k.chunk_hash, k.rows, k.block_ids) for k in window.keys] == [
-        (21, [1], [4]),
-        (22, [0, 1], [5, 6]),
-    ]
+    assert rows_to_load(sw, 0, CHUNK, window_blocks, 0, 96) == ([], [])
+    assert rows_to_load(sw, 1, CHUNK, window_blocks, 0, 96) == ([1], [4])
+    assert rows_to_load(sw, 2, CHUNK, window_blocks, 0, 96) == ([0, 1], [5, 6])
     # The boundary's state block is vLLM's null block: the load cannot be planned.
-    no_state = [[0] * 7, block_ids[1]]
-    assert plan_hybrid_load(Settled(), CHUNK, no_state, 0, 96) is None  # type: ignore[arg-type]
+    assert rows_to_load(mamba, 2, CHUNK, [0] * 7, 0, 96) is None
+    # A full-attention chunk loaded up to a token inside it (a legacy model's last token):
+    # every block up to the one holding the last token loaded, from vLLM's hit on.
+    full = KVGroup(0, "full", 16, (L[1],), None, 0, b"f" * 16)
+    assert rows_to_load(full, 1, CHUNK, [1, 2, 3, 4], 16, 63) == ([0, 1], [3, 4])
+    assert rows_to_load(full, 0, CHUNK, [1, 2, 3, 4], 16, 63) == ([1], [2])
+    assert rows_to_load(full, 1, CHUNK, [1, 2, 0, 4], 16, 63) is None  # a null block
 
 
 def test_the_connector_module_imports_on_a_vllm_without_hma_support() -> None:

@@ -87,8 +87,8 @@ def main() -> int:
         worker = get_kv_transfer_group().worker_side
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
         result["runtime"] = {k: v for k, v in worker.runtime.stats().items() if k != "tiers"}
-        result["worker_counters"] = worker.counters.totals()
-        result["scheduler_counters"] = scheduler.counters.totals()
+        result["worker_counters"] = worker.statistics().as_dict()
+        result["scheduler_counters"] = scheduler.statistics().as_dict()
         result["client"] = scheduler.client.stats()
     print("RESULT " + json.dumps(result), flush=True)
     return 0

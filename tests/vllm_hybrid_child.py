@@ -31,15 +31,15 @@ def _break_restore(_worker: Any, kind: str) -> None:
 
     worker = get_kv_transfer_group().worker_side
     doomed = {g.index for g in worker._groups.groups if g.kind == kind}
-    real = worker._claim_group_keys
+    real = worker._claim
 
-    def claim(req_id: str, claim: Any, runtime: Any) -> bool:
+    def claim(req_id: str, claim: Any, runtime: Any) -> int:
         for key in claim.keys:
             if key.group in doomed:
                 key.rows, key.block_ids = [], []
-        return bool(real(req_id, claim, runtime))
+        return int(real(req_id, claim, runtime))
 
-    worker._claim_group_keys = claim
+    worker._claim = claim
 
 
 def _wipe_kv_cache(_worker: Any) -> None:
@@ -49,8 +49,7 @@ def _wipe_kv_cache(_worker: Any) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().worker_side
-    layouts = list(worker.group_layouts.values()) or [worker.layout]
-    for layout in layouts:
+    for layout in worker.layouts.values():
         for layer in layout.layers:
             layer.rows.zero_()
 
@@ -127,8 +126,8 @@ def main() -> int:
             side = core.scheduler.connector.scheduler_side
             result["chunk_size"] = worker.runtime.config.chunk_size
             result["runtime"] = {k: v for k, v in worker.runtime.stats().items() if k != "tiers"}
-            result["worker_counters"] = worker.counters.totals()
-            result["scheduler_counters"] = side.counters.totals()
+            result["worker_counters"] = worker.statistics().as_dict()
+            result["scheduler_counters"] = side.statistics().as_dict()
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

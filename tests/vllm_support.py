@@ -31,19 +31,26 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from lmprefetch.client import LookupClient
+    from lmprefetch.runtime import WorkerRuntime
+    from lmprefetch.worker_statistics import WorkerStatistics
 
 __all__ = [
     "PLUGIN_INSTALLED",
     "apply_shims",
+    "assert_worker_idle",
     "expected_sources",
     "model_runner_output",
     "needs_plugin",
     "skip_without_vllm",
     "vllm_imports",
     "vllm_version",
+    "wait_worker_quiet",
 ]
 
 
@@ -124,6 +131,42 @@ def expected_sources(**tokens_by_source: int) -> dict[Any, int]:
     except ImportError:
         return {}
     return {getattr(CacheHitSource, name): n for name, n in tokens_by_source.items()}
+
+
+def wait_worker_quiet(
+    client: LookupClient, runtime: WorkerRuntime, probe: str, timeout_s: float
+) -> WorkerStatistics:
+    """Wait until the worker has handled every message ``client`` sent so far, and no lookup
+    task is alive; return the worker's statistics.
+
+    A probe lookup under the fresh id ``probe`` (no whole chunk: answered 0 at once, holding
+    nothing) is queued behind everything sent before on the same socket; its answer proves
+    the worker handled those (e.g. a cleanup).  Then ``Engine.wait_quiet`` (a Trio event)
+    under the deadline.
+    """
+    import trio
+
+    assert client.lookup(probe, [1]) is None
+    assert client.wait(probe, timeout_s) == 0
+    client.forget(probe)
+    engine = runtime.engine
+
+    async def quiet() -> None:
+        with trio.fail_after(timeout_s):
+            await engine.wait_quiet()
+
+    runtime.call(quiet)
+    return runtime.statistics()
+
+
+def assert_worker_idle(stats: WorkerStatistics) -> None:
+    """Nothing in flight or held, no pin, no limiter weight, no arena slot but the CPU tier's."""
+    engine = stats.engine
+    assert engine.lookups.inflight == 0
+    assert engine.lookups.held == 0
+    assert engine.pinned_chunks == 0
+    assert engine.limiter.used == 0
+    assert engine.arena.used_bytes == engine.cpu_resident_bytes
 
 
 def vllm_version() -> str:

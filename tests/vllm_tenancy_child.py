@@ -143,7 +143,7 @@ def main() -> int:
     # 3. Publish the disk tier's stores: flush, and one more step (a prompt of no whole chunk).
     runtime.call(runtime.engine.flush)
     generate([5, 6, 7], None, None)
-    handed_over = scheduler.counters.totals().get("kv_events", 0)
+    handed_over = scheduler.statistics().kv_events
     while len(received) < handed_over:
         assert receive(WAIT_MS), f"{len(received)} of {handed_over} events arrived"
     sub.close(0)

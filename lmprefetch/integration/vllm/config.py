@@ -6,9 +6,12 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import PrefetchConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 #: The abstract ipc name prefix; an engine id longer than this many bytes, or with other
 #: characters than ``[A-Za-z0-9._-]``, is replaced by a hash so names stay far below the
@@ -65,14 +68,14 @@ def endpoint_names(engine_id: str, world_size: int) -> tuple[list[str], str]:
     return [f"{base}-w{rank}" for rank in range(world_size)], f"{base}-sched"
 
 
-def kv_events_wanted(vllm_config: Any, config: PrefetchConfig) -> bool:
+def kv_events_wanted(vllm_config: VllmConfig, config: PrefetchConfig) -> bool:
     """Emit KV events: vLLM publishes them (``--kv-events-config`` with
     ``enable_kv_cache_events``) and ``kv_events`` is not turned off."""
     kvc = getattr(vllm_config, "kv_events_config", None)
     return bool(config.kv_events and kvc is not None and kvc.enable_kv_cache_events)
 
 
-def _world_size(vllm_config: Any) -> int:
+def _world_size(vllm_config: VllmConfig) -> int:
     pc = vllm_config.parallel_config
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
         if int(getattr(pc, name, 1) or 1) > 1:
@@ -83,7 +86,7 @@ def _world_size(vllm_config: Any) -> int:
     return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
 
 
-def _worker_rank(vllm_config: Any) -> int:
+def _worker_rank(vllm_config: VllmConfig) -> int:
     """This worker's rank among the engine's tensor × pipeline parallel ranks (0 when vLLM's
     parallel state is not initialised, as in unit tests)."""
     from vllm.distributed import parallel_state as ps

@@ -17,8 +17,9 @@ A model with one full-attention group (every non-hybrid model, and any model wit
 **legacy**: its chunks are stored under the plain chain hash (:mod:`lmprefetch.hashing`),
 exactly as before groups existed, so existing caches stay valid.  Every other model is
 **hybrid**: each group's chunk ``c`` is stored under its own key, whose hash is the chain hash
-of chunk ``c`` mixed with the group's *identity* (:func:`group_hash`): a digest of the group's
-kind, block size, layer names and per-layer geometry (heads, head size, dtype, state shapes).
+of chunk ``c`` mixed with the group's *identity* (:func:`group_hash`, :meth:`KVGroups.key_hash`):
+a digest of the group's kind, block size, layer names and per-layer geometry (heads, head size,
+dtype, state shapes).
 So groups never share a key, two models (or two layouts of one model) never do either, and a
 model's chunks from an HMA-off server (one group of every layer, plain hashes) are never
 mistaken for an HMA-on server's.  Carrying the group in the hash leaves
@@ -33,9 +34,12 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ...config import PrefetchConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 __all__ = [
     "GroupKind",
@@ -101,13 +105,26 @@ class KVGroup:
 class KVGroups:
     """The model's KV cache groups, read once when the connector is built.
 
+    A request on any model goes the same way (:class:`~.request.ConnectorRequest`); what a
+    *legacy* model (one full-attention group) does differently is a property of its groups,
+    asked in three places:
+
+    * its keys are the plain chain hashes (:meth:`key_hash`), so caches from before groups
+      existed stay valid;
+    * its hit may end inside a chunk (a trailing partial chunk, or the last token kept to
+      compute): only vLLM's blocks bound it; a hybrid hit ends on a chunk boundary, where
+      every group has what it needs;
+    * its loads are synchronous for vLLM and a failed one is reported by block, so vLLM
+      recomputes from the first lost block; a hybrid load is asynchronous and reported by
+      request (vLLM cannot map a block id back to a request when block ids are per group).
+
     Attributes:
-        groups: the groups lmprefetch stores (those vLLM marks for external transfer).
-        legacy: one full-attention group: plain chain hashes, one key per chunk, synchronous
-            loads with block-level error reports (the connector as it was before groups).
+        groups: the groups lmprefetch stores (those vLLM marks for external transfer); one
+            full-attention group of ``block_size`` when vLLM gave none (a bare unit test).
+        legacy: one full-attention group (see above).
         unsupported: why lmprefetch neither looks up nor saves for this model (a group kind
             it cannot restore), or ``None``.
-        block_size: the legacy group's block size (the first group's when hybrid).
+        block_size: the first group's block size.
     """
 
     groups: tuple[KVGroup, ...]
@@ -121,6 +138,17 @@ class KVGroups:
 
     def of_kind(self, kind: GroupKind) -> tuple[KVGroup, ...]:
         return tuple(g for g in self.groups if g.kind == kind)
+
+    @property
+    def announced(self) -> KVGroup | None:
+        """The group whose chunks KV events name (the first full-attention group), if any."""
+        full = self.of_kind("full")
+        return full[0] if full else None
+
+    def key_hash(self, group: KVGroup, chain_hash: int) -> int:
+        """The hash ``group``'s chunk with chain hash ``chain_hash`` is stored under: the chain
+        hash itself for a legacy model, else :func:`group_hash`."""
+        return chain_hash if self.legacy else group_hash(group.identity, chain_hash)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -147,7 +175,7 @@ def group_hash(identity: bytes, chain_hash: int) -> int:
 
 
 # -- reading vLLM's groups ---------------------------------------------------------------------
-def read_groups(kv_cache_config: Any, fallback_block_size: int) -> KVGroups:
+def read_groups(kv_cache_config: KVCacheConfig | None, fallback_block_size: int) -> KVGroups:
     """The connector's view of ``kv_cache_config.kv_cache_groups``.
 
     Args:
@@ -157,7 +185,8 @@ def read_groups(kv_cache_config: Any, fallback_block_size: int) -> KVGroups:
     """
     specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if not specs:
-        return KVGroups((), True, None, fallback_block_size)
+        bare = KVGroup(0, "full", fallback_block_size, (), None, 0, b"")
+        return KVGroups((bare,), True, None, fallback_block_size)
     groups: list[KVGroup] = []
     unsupported: list[str] = []
     for index, group in enumerate(specs):
@@ -189,7 +218,7 @@ def read_groups(kv_cache_config: Any, fallback_block_size: int) -> KVGroups:
     )
 
 
-def _kind_of(spec: Any) -> tuple[GroupKind | None, str]:
+def _kind_of(spec: KVCacheSpec) -> tuple[GroupKind | None, str]:
     """A spec's kind, or ``None`` and why lmprefetch cannot restore it.
 
     Matched by class name (in MRO order), so this module needs no vLLM import and follows
@@ -235,7 +264,7 @@ _UNSUPPORTED = {
 }
 
 
-def _identity(kind: str, spec: Any, layers: Sequence[str]) -> bytes:
+def _identity(kind: str, spec: KVCacheSpec, layers: Sequence[str]) -> bytes:
     """A digest of what makes a group's bytes what they are (see the module docstring)."""
     fields = [f"v={_PAYLOAD_VERSION}", f"kind={kind}", "layers=" + ",".join(layers)]
     fields += _spec_fields(spec)
@@ -260,7 +289,7 @@ _GEOMETRY = (
 )
 
 
-def _spec_fields(spec: Any) -> list[str]:
+def _spec_fields(spec: KVCacheSpec) -> list[str]:
     fields = [f"spec={type(spec).__name__}", f"block={int(spec.block_size)}"]
     inner = getattr(spec, "kv_cache_specs", None)
     if isinstance(inner, dict):  # UniformTypeKVCacheSpecs: every layer's own spec

@@ -24,10 +24,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...events import ChunkBlocks
 from ...hashing import tenant_salt
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
 
 __all__ = ["LoraIdentities", "chunk_blocks", "request_salt"]
 
@@ -42,7 +46,7 @@ class LoraIdentities:
     def __init__(self) -> None:
         self._known: dict[tuple[str, str], str] = {}
 
-    def identity(self, lora_request: Any) -> str:
+    def identity(self, lora_request: LoRARequest) -> str:
         name = str(lora_request.lora_name)
         path = str(getattr(lora_request, "lora_path", "") or "")
         key = (name, path)
@@ -71,7 +75,7 @@ def adapter_identity(path: str) -> str:
     return "path:" + path
 
 
-def _digest_file(digest: Any, name: str, path: str) -> None:
+def _digest_file(digest: hashlib.blake2b, name: str, path: str) -> None:
     raw = name.encode("utf-8")
     digest.update(len(raw).to_bytes(4, "big") + raw)
     with open(path, "rb") as f:
@@ -81,7 +85,7 @@ def _digest_file(digest: Any, name: str, path: str) -> None:
             digest.update(chunk)
 
 
-def request_salt(request: Any, loras: LoraIdentities) -> bytes | None:
+def request_salt(request: Request, loras: LoraIdentities) -> bytes | None:
     """The salt of a request's name space, or ``None`` for the shared, unsalted one."""
     cache_salt = getattr(request, "cache_salt", None) or None
     lora = getattr(request, "lora_request", None)
@@ -90,7 +94,7 @@ def request_salt(request: Any, loras: LoraIdentities) -> bytes | None:
     return tenant_salt(cache_salt, str(lora.lora_name), loras.identity(lora))
 
 
-def chunk_blocks(request: Any, chunk: int, chunk_size: int, block_size: int) -> ChunkBlocks:
+def chunk_blocks(request: Request, chunk: int, chunk_size: int, block_size: int) -> ChunkBlocks:
     """How vLLM names chunk ``chunk`` of ``request`` in KV events: the request's own block
     hashes of the chunk's full blocks (as vLLM's routers know them), the chunk's tokens, the
     hash of the block before it, and the LoRA adapter."""
