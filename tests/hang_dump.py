@@ -41,7 +41,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_STDERR_FD] = os.dup(sys.stderr.fileno())
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        # No file descriptor behind stderr (mutmut runs pytest in-process with stderr
+        # captured): pytest's own faulthandler is off then too, and so is the longer budget.
+        return
+    config.stash[_STDERR_FD] = os.dup(fd)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -64,5 +70,6 @@ def budget_s(item: pytest.Item) -> float:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     budget = budget_s(item)
     default = float(item.config.getini("faulthandler_timeout") or 0)
-    if budget > default:
-        faulthandler.dump_traceback_later(budget, file=item.config.stash[_STDERR_FD])
+    fd = item.config.stash.get(_STDERR_FD, None)
+    if budget > default and fd is not None:
+        faulthandler.dump_traceback_later(budget, file=fd)
