@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "Stopped",
+    "checkpoint",
     "child_signals",
     "deferred",
     "end_at_once_on_repeat",
@@ -140,6 +141,16 @@ def handling(*, restore: bool = True) -> Iterator[None]:
         yield
         return
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info: Any) -> None:
+        # A Stopped raised where it cannot propagate (see checkpoint): no "Exception ignored"
+        # traceback, and the next check point raises it again.
+        if isinstance(info.exc_value, Stopped):
+            _state.raised = False
+            return
+        previous_hook(info)
+
     _state.reset()
     _state.wake_r, _state.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     _state.installed = True
@@ -148,8 +159,10 @@ def handling(*, restore: bool = True) -> Iterator[None]:
             # Even one this process was started with ignored: a shell script's background job
             # inherits SIGINT ignored, and `kill -INT` is still a way to stop the command.
             signal.signal(sig, _on_signal)
+        sys.unraisablehook = unraisable
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler if restore else signal.SIG_IGN)
         os.close(_state.wake_r)
@@ -174,6 +187,22 @@ def wakeup_fd() -> int | None:
     waits that must end early on one (``multiprocessing.connection.wait``, ``select``);
     ``None`` outside :func:`handling`."""
     return _state.wake_r if _state.installed else None
+
+
+def checkpoint() -> None:
+    """Raise :class:`Stopped` if a stop signal came, even if it was raised once already.
+
+    For the points where a command starts its work (its imports done, its arguments read) and
+    where a Trio run ends: reaching one with a signal received means its :class:`Stopped` was
+    lost.  Python drops an exception raised where it cannot propagate, with an "Exception
+    ignored in ..." line: a signal handled while the import system runs a weakref callback, or
+    while a ``__del__`` runs, raises into nothing, and the command would go on as if no signal
+    had come.  Inside a :func:`deferred` block it waits for the block's end, as a signal does.
+    """
+    state = _state
+    if state.received is not None and not state.deferring:
+        state.raised = True
+        raise Stopped(state.received)
 
 
 def _raise_pending() -> None:
@@ -295,8 +324,9 @@ def run_trio(async_fn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
                 outcome.append(await async_fn(*args))
                 nursery.cancel_scope.cancel()
 
-    with deferred():  # raises Stopped at its end if a signal came
+    with _holding():
         trio.run(main)
+    checkpoint()  # a signal came: Stopped, also if one raised before the run was lost
     return outcome[0]
 
 

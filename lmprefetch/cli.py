@@ -399,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 level=logging.INFO if args.verbose else logging.WARNING,
                 format="%(asctime)s %(name)s %(levelname)s %(message)s",
             )
+            _stopping.checkpoint()  # a signal during the imports whose Stopped Python dropped
             return int(args.func(args))
     except BaseException as exc:
         return _failed(exc)

@@ -107,6 +107,33 @@ def test_a_signal_as_the_handlers_are_installed_is_one_line_too(signum: int) -> 
     assert (out.returncode, out.stderr) == (128 + signum, f"lmprefetch: {what}\n")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_whose_stop_python_dropped_still_stops_the_command(signum: int) -> None:
+    """A signal handled while a ``__del__`` (or the import system's weakref callback) runs:
+    its Stopped is raised where Python cannot propagate it, and was dropped with an "Exception
+    ignored" traceback while the command went on (CI saw ``bench`` run to the end after a
+    SIGTERM during its imports).  The command stops before its work, with one line."""
+    code = (
+        "import os, sys\n"
+        "from lmprefetch import cli\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        f"        os.kill(os.getpid(), {int(signum)})\n"
+        "        for _ in range(100_000):  # the handler runs in here: its Stopped goes nowhere\n"
+        "            pass\n"
+        "parse = cli._parse\n"
+        "def parsed(*args):\n"
+        "    Late()  # made and collected at once: __del__ runs now\n"
+        "    return parse(*args)\n"
+        "cli._parse = parsed\n"
+        "sys.exit(cli.main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "bench"], capture_output=True, text=True,
+                         timeout=120, check=False)  # fmt: skip
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    assert (out.returncode, out.stderr, out.stdout) == (128 + signum, f"lmprefetch: {what}\n", "")
+
+
 def test_the_command_stops_the_resource_tracker_it_started_and_only_that() -> None:
     """The spawn method's resource tracker outlived the command by a moment (a child process
     left); one that ran before (the command called as a function) is not the command's."""
