@@ -231,6 +231,39 @@ async def test_a_process_that_exits_before_ready_is_an_error_with_its_log() -> N
     assert proc.proc is not None and proc.proc.returncode == 3
 
 
+async def test_a_process_that_ends_after_ready_is_named_with_its_last_lines() -> None:
+    """A server that dies after it said it was ready (a request then finds no one listening):
+    the scenario's error says which process exited, with what status and what it said last;
+    the ones still running are not listed."""
+    died = "import sys; print('READY'); sys.stdin.read(); print('fatal: gone'); raise SystemExit(7)"
+    alive = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler);"
+        " print('READY', flush=True); signal.pause()"
+    )
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            procs = ProcessSet(nursery)
+            try:
+                gone = await procs.start(
+                    ManagedProcess("gone", [sys.executable, "-c", died], dict(os.environ), "READY"),
+                    timeout_s=30,
+                )
+                await procs.start(
+                    ManagedProcess(
+                        "alive", [sys.executable, "-c", alive], dict(os.environ), "READY"
+                    ),
+                    timeout_s=30,
+                )
+                assert gone.proc is not None
+                await gone.proc.wait()  # stdin is /dev/null: it reads EOF and exits at once
+                await gone._eof.wait()  # its pump read everything it wrote
+                report = procs.post_mortem()
+            finally:
+                await procs.stop_all()
+    assert report.startswith("gone exited (status 7); its last log lines:\n")
+    assert report.endswith("READY\nfatal: gone") and "alive" not in report
+
+
 async def test_a_process_not_ready_in_time_is_stopped() -> None:
     # SIGINT's default handler, explicitly: a child started from a background job of a
     # non-interactive shell inherits SIGINT ignored, and would then wait out stop()'s grace.

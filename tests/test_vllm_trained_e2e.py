@@ -141,6 +141,10 @@ async def serve_once(
                                 break
                             await trio.sleep(0.05)
                     out.append((done, {k: after[k] - before.get(k, 0.0) for k in after}))
+        except BaseException:
+            # A server that went away: what it said last, in the test's captured stderr.
+            print(procs.post_mortem(), file=sys.stderr)
+            raise
         finally:
             await procs.stop_all()
     return out

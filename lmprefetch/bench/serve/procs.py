@@ -236,6 +236,19 @@ class ProcessSet:
         if proc in self._procs:
             self._procs.remove(proc)
 
+    def post_mortem(self, lines: int = 30) -> str:
+        """What each process that ended on its own said last, for a scenario that failed
+        because one went away (a request refused, a stream cut): ``""`` when all still run."""
+        out = []
+        for proc in self._procs:
+            if proc.proc is None or proc.proc.poll() is None:
+                continue
+            out.append(
+                f"{proc.name} exited (status {proc.proc.returncode}); its last log lines:\n"
+                f"{proc.log_tail(lines)}"
+            )
+        return "\n".join(out)
+
     async def stop_all(self) -> None:
         """Stop every process still running (concurrently), shielded from cancellation."""
         with trio.CancelScope(shield=True):

@@ -189,7 +189,8 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
             # Returned, not raised: no exception group leaves the nursery.
             outcome = {"error": str(exc), "unavailable": True}
         except (ServerError, RequestFailed, httpx.HTTPError, trio.TooSlowError) as exc:
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+            died = procs.post_mortem()
+            outcome = {"error": f"{type(exc).__name__}: {exc}" + (f"\n{died}" if died else "")}
         finally:
             await procs.stop_all()
     return outcome
