@@ -237,16 +237,16 @@ class ProcessSet:
             self._procs.remove(proc)
 
     def post_mortem(self, lines: int = 30) -> str:
-        """What each process that ended on its own said last, for a scenario that failed
-        because one went away (a request refused, a stream cut): ``""`` when all still run."""
+        """What each process said last, for a scenario that failed because one went away or
+        stopped answering (a request refused, a stream cut): those that ended first (with
+        their exit status), then those still running."""
         out = []
-        for proc in self._procs:
-            if proc.proc is None or proc.proc.poll() is None:
+        for proc in sorted(self._procs, key=lambda p: p.proc is None or p.proc.poll() is None):
+            if proc.proc is None:
                 continue
-            out.append(
-                f"{proc.name} exited (status {proc.proc.returncode}); its last log lines:\n"
-                f"{proc.log_tail(lines)}"
-            )
+            status = proc.proc.poll()
+            state = "still running" if status is None else f"exited (status {status})"
+            out.append(f"{proc.name} {state}; its last log lines:\n{proc.log_tail(lines)}")
         return "\n".join(out)
 
     async def stop_all(self) -> None:
