@@ -265,6 +265,45 @@ async def test_a_process_that_ends_after_ready_is_named_with_its_last_lines() ->
     assert alive_part == "READY"
 
 
+async def test_a_server_is_ready_only_once_its_port_accepts(tmp_path: Path) -> None:
+    """vLLM logs "Application startup complete" on a socket it bound but does not listen on
+    yet: a request then is refused.  With its port given, start() returns only once the port
+    accepts a connection."""
+    from lmprefetch.bench.serve.procs import free_port
+
+    port, trigger = free_port(), tmp_path / "listen"
+    code = (
+        "import os, signal, socket, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"s = socket.socket(); s.bind(('127.0.0.1', {port})); print('READY', flush=True)\n"
+        f"while not os.path.exists({str(trigger)!r}):\n"
+        "    time.sleep(0.01)\n"
+        "s.listen(); signal.pause()\n"
+    )
+    proc = ManagedProcess(
+        "late", [sys.executable, "-c", code], dict(os.environ), "READY", port=port
+    )
+    started = trio.Event()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            procs = ProcessSet(nursery)
+            try:
+
+                async def start() -> None:
+                    await procs.start(proc, timeout_s=60)
+                    started.set()
+
+                nursery.start_soon(start)
+                await proc._ready.wait()  # it said so, on a socket that refuses connections
+                assert not started.is_set()
+                trigger.touch()
+                await started.wait()
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.aclose()
+            finally:
+                await procs.stop_all()
+
+
 async def test_a_process_not_ready_in_time_is_stopped() -> None:
     # SIGINT's default handler, explicitly: a child started from a background job of a
     # non-interactive shell inherits SIGINT ignored, and would then wait out stop()'s grace.

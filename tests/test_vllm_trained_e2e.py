@@ -124,7 +124,9 @@ async def serve_once(
         procs = ProcessSet(nursery)
         try:
             await procs.start(
-                ManagedProcess("server", argv, env, "Application startup complete", cwd=tmp),
+                ManagedProcess(
+                    "server", argv, env, "Application startup complete", cwd=tmp, port=port
+                ),
                 STARTUP_TIMEOUT_S,
             )
             async with httpx.AsyncClient(

@@ -143,7 +143,7 @@ async def vllm_servers(
                 env.update(opts.env or {})
                 proc = ManagedProcess(
                     f"server {i}", [*argv, *opts.args], env, "Application startup complete",
-                    cwd=tmp,
+                    cwd=tmp, port=port,
                 )  # fmt: skip
                 await procs.start(proc, STARTUP_TIMEOUT_S)
                 client = httpx.AsyncClient(

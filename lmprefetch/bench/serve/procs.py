@@ -76,6 +76,10 @@ class ManagedProcess:
         env: its environment (complete, not merged).
         ready_marker: the log line fragment that says it is ready.
         cwd: its working directory.
+        port: a loopback TCP port it serves: ready only once it accepts a connection there
+            too.  vLLM's API server logs uvicorn's "Application startup complete" on a socket
+            it bound but that uvicorn only starts listening on a moment later: a request in
+            that moment is refused.
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class ManagedProcess:
         env: Mapping[str, str],
         ready_marker: str,
         cwd: Path | None = None,
+        port: int | None = None,
     ) -> None:
         self.name = name
+        self.port = port
         self.argv = list(argv)
         self.env = dict(env)
         self.ready_marker = ready_marker
@@ -94,6 +100,7 @@ class ManagedProcess:
         self.log: collections.deque[str] = collections.deque(maxlen=_LOG_LINES)
         self.proc: trio.Process | None = None
         self._ready = trio.Event()
+        self._accepting = False
         self._eof = trio.Event()
         self._pump_scope = trio.CancelScope()
 
@@ -135,7 +142,9 @@ class ManagedProcess:
 
                     wait.start_soon(until, self._ready)
                     wait.start_soon(until, self._eof)
-            ok = self._ready.is_set()
+                if self._ready.is_set() and self.port is not None:
+                    await self._until_accepting(self.port)
+            ok = self._ready.is_set() and (self.port is None or self._accepting)
             if not ok:
                 why = "exited" if self._eof.is_set() else f"was not ready after {timeout_s:.0f} s"
                 raise ServerError(f"{self.name} {why}; its last log lines:\n{self.log_tail()}")
@@ -143,6 +152,20 @@ class ManagedProcess:
             if not ok:
                 with trio.CancelScope(shield=True):
                     await self.stop()
+
+    async def _until_accepting(self, port: int) -> None:
+        """Return once 127.0.0.1:``port`` accepts a connection, or the process has exited
+        (polled: nothing signals a socket starting to listen)."""
+        while not self._eof.is_set():
+            with trio.socket.socket() as sock:
+                try:
+                    await sock.connect(("127.0.0.1", port))
+                except OSError:  # refused: not listening yet
+                    pass
+                else:
+                    self._accepting = True
+                    return
+            await trio.sleep(0.02)
 
     async def _pump(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None

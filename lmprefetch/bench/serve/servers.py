@@ -223,7 +223,9 @@ async def start_server(
     )
     env = base_env(ctx.runtime_dir)
     env.update(extra_env or {})
-    proc = ManagedProcess(name, argv, env, "Application startup complete", cwd=ctx.tmp)
+    proc = ManagedProcess(
+        name, argv, env, "Application startup complete", cwd=ctx.tmp, port=port
+    )
     t0 = time.perf_counter()
     await procs.start(proc, opts.startup_timeout_s)
     client = httpx.AsyncClient(
