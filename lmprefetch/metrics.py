@@ -128,6 +128,10 @@ _TIER_COSTS = {
         "lmprefetch_tier_load_bytes_per_second",
         "Moving average of a tier's load throughput",
     ),
+    "store_bytes_per_s_ewma": (
+        "lmprefetch_tier_store_bytes_per_second",
+        "Moving average of a tier's write-behind throughput (Redis, Mooncake)",
+    ),
     "decode_bytes_per_s_ewma": (
         "lmprefetch_tier_decode_bytes_per_second",
         "Moving average of a tier's decoding rate (payload bytes per thread second)",

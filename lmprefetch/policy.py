@@ -32,7 +32,9 @@ Computing instead of loading them adds ``prefill(s, k)``, the prefill time of th
 The policy takes the ``k`` that minimises ``load(k) - prefill(s, k)`` (ties: the longer
 prefix), so a slow tier's chunks at the end of the prefix are the first to go.  Until the
 prefill model is calibrated (or ``prefill_tokens_per_s`` configured) it loads everything, as
-``"always"`` does; a tier not yet measured costs nothing, so its first loads measure it.
+``"always"`` does.  A tier whose throughput has no estimate yet (no load measured it, and it
+wrote nothing over its link) is not trusted: its chunks are recomputed, and the engine measures
+it in the background.
 
 Threads: :class:`PrefillModel` is fed from the model runner's thread and read on the engine's
 Trio thread (a lock guards it); everything else runs on the engine's thread.
@@ -80,9 +82,13 @@ class TierCost(msgspec.Struct, frozen=True, gc=False):
     """What one tier's loads have cost lately (moving averages; ``None``: not measured yet).
 
     ``latency_s`` is the time of a call that moves no payload (a probe); ``bytes_per_s`` is
-    payload bytes over the rest of a load's time, less its decoding.  ``stale``: the
-    throughput was measured longer ago than ``tier_cost_max_age_s`` (or never); the engine
-    measures it again in the background when a policy drops the tier's chunks.
+    payload bytes over the rest of a load's time, less its decoding.  ``stale``: no load
+    measured the throughput within ``tier_cost_max_age_s`` (or ever); the engine measures it
+    again in the background when a policy drops the tier's chunks.  Before any load measured
+    a tier that writes over a link (Redis, Mooncake), ``bytes_per_s`` is its write-behind's
+    throughput, and ``stale`` is true: the chunks a lookup finds there went through the same
+    link, so a tier is not taken for unknown, and its first hit recomputed, only because no
+    lookup loaded from it yet.
 
     ``decode_bytes_per_s`` is the rate at which the payload is decoded once it has arrived
     (a tier that stores chunks encoded: a codec), ``None`` for a tier that stores them as
@@ -96,7 +102,8 @@ class TierCost(msgspec.Struct, frozen=True, gc=False):
 
     @property
     def measured(self) -> bool:
-        """Whether the tier's throughput has been measured (its latency is, by every probe)."""
+        """Whether the tier's throughput has an estimate (by its loads, or before the first
+        one by its writes; its latency is measured by every probe)."""
         return self.bytes_per_s is not None
 
     def seconds(self, n_bytes: int) -> float:
@@ -207,10 +214,12 @@ class CostPolicy:
 
     Beyond the cost model itself:
 
-    * **A tier is measured before it is trusted.**  Chunks on a tier whose throughput has not
-      been measured yet count as too dear to load (unless the prefill cost is unknown too:
-      then the whole hit is loaded, as ``always`` does); the engine measures the tier in the
-      background from the chunks dropped (see ``docs/policy.md``).
+    * **A tier is measured before it is trusted.**  Chunks on a tier whose throughput has no
+      estimate yet count as too dear to load (unless the prefill cost is unknown too: then
+      the whole hit is loaded, as ``always`` does); the engine measures the tier in the
+      background from the chunks dropped (see ``docs/policy.md``).  A tier that writes over
+      a link has an estimate from its first write: the write-behind's throughput, which
+      the first load replaces (:class:`TierCost`).
     * **Hysteresis.**  Once the policy loaded a tier's chunks, recomputing them must win by
       :attr:`hysteresis` (a fraction of the load's cost) before it stops loading from that
       tier, and once it skipped them, loading must win by as much before it loads again: two

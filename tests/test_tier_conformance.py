@@ -41,6 +41,7 @@ import trio.testing
 from lmprefetch.codec import ChunkStage, TenantCipher, get_codec
 from lmprefetch.keys import ChunkKey
 from lmprefetch.memory import Arena, Buffer
+from lmprefetch.policy import TierCost
 from lmprefetch.tiers import chunkfile
 from lmprefetch.tiers import mooncake as mooncake_module
 from lmprefetch.tiers import redis as redis_module
@@ -49,6 +50,7 @@ from lmprefetch.tiers.cpu import CpuTier
 from lmprefetch.tiers.disk import DiskTier, open_disk_tier
 from lmprefetch.tiers.mooncake import MooncakeTier, open_mooncake_tier
 from lmprefetch.tiers.redis import open_redis_tier, redis_key
+from lmprefetch.tiers.remote import RemoteTier
 
 from .checkpoints import Steps, Target, named, quiesce_threads
 from .fakes import FakeTier
@@ -616,3 +618,24 @@ async def test_pins_and_loads_balanced_under_a_random_workload(h: Harness, seed:
     for group in pinned:
         h.tier.unpin(group)
     assert h.tier.pinned_count() == 0
+
+
+# -- the write-behind's throughput, the cost policy's estimate before any load -----------------
+async def test_a_tier_that_writes_over_a_link_measures_its_writes(h: Harness) -> None:
+    """Redis and Mooncake time each write-behind batch (the call in its thread, not the wait
+    for a thread, nor the encoding): until a load measures the tier, that throughput is its
+    cost's, marked stale (``docs/policy.md``).  The tiers of this machine (CPU, disk) and the
+    plain fake keep none: their cost stays unknown until loaded from."""
+    before = h.tier.stats.cost()
+    assert before.bytes_per_s is None and before.stale
+    await h.put([key(h_) for h_ in range(40_000, 40_004)])
+    cost = h.tier.stats.cost()
+    if isinstance(h.tier, RemoteTier):
+        assert cost.bytes_per_s is not None and cost.bytes_per_s > 0
+        assert cost.stale  # an estimate, until a load measures the tier
+        h.tier.stats.observe_load(1 << 20, 0.5, now=1.0)
+        assert h.tier.stats.cost(1.0, 60.0) == TierCost(
+            h.tier.stats.latency_s_ewma, 2 << 20, False, h.tier.stats.decode_bytes_per_s_ewma
+        )
+    else:
+        assert cost.bytes_per_s is None and cost.stale

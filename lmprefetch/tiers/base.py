@@ -89,6 +89,11 @@ class TierCounters(msgspec.Struct, gc=False):
     #: ``cost`` load policy reads them (:mod:`lmprefetch.policy`).
     latency_s_ewma: float | None = None
     load_bytes_per_s_ewma: float | None = None
+    #: Moving average of the write-behind's throughput (payload bytes over a batch's write
+    #: call), kept by the tiers that write over a link (Redis, Mooncake); ``None`` until a
+    #: batch was written.  Before any load measured the tier, it is the ``cost`` policy's
+    #: estimate of a load (the tier's cost is ``stale`` meanwhile, see :meth:`TierStats.cost`).
+    store_bytes_per_s_ewma: float | None = None
     #: Moving average of the codec stage's decoding rate (payload bytes per second of a
     #: thread's decoding); ``None`` until a chunk was decoded (never, with the codec ``none``
     #: and no encryption).
@@ -164,21 +169,33 @@ class TierStats(TierCounters, gc=False):
                 self.decode_bytes_per_s_ewma, payload_bytes / seconds
             )
 
+    def observe_store(self, n_bytes: int, seconds: float) -> None:
+        """A write-behind batch moved ``n_bytes`` of payload to the tier in ``seconds`` (the
+        write call alone: not its queueing, not its encoding); the time past the per-call
+        latency is the transfer, but at least half the call's time, as for a load."""
+        transfer = max(seconds - (self.latency_s_ewma or 0.0), 0.5 * seconds)
+        if n_bytes > 0 and transfer > 0:
+            self.store_bytes_per_s_ewma = _ewma(self.store_bytes_per_s_ewma, n_bytes / transfer)
+
     def throughput_age_s(self, now: float) -> float | None:
         """Seconds since the throughput was last measured (``None``: never, or not timed)."""
         at = self._throughput_at
         return None if at is None else max(0.0, now - at)
 
     def cost(self, now: float | None = None, max_age_s: float | None = None) -> TierCost:
-        """The tier's cost estimate for a load policy; ``stale`` when the throughput was never
-        measured, or (given ``now`` and ``max_age_s``) measured longer ago than that."""
+        """The tier's cost estimate for a load policy; ``stale`` when no load measured the
+        throughput yet, or (given ``now`` and ``max_age_s``) one measured it longer ago than
+        that.  Before the first load measured it, the throughput is the write-behind's (a
+        tier that writes over a link: the same link, measured by the writes of the chunks a
+        lookup will find), or ``None`` where nothing was written yet."""
         age = None if now is None else self.throughput_age_s(now)
-        stale = self.load_bytes_per_s_ewma is None or (
+        bytes_per_s = self.load_bytes_per_s_ewma
+        stale = bytes_per_s is None or (
             max_age_s is not None and age is not None and age > max_age_s
         )
-        return TierCost(
-            self.latency_s_ewma, self.load_bytes_per_s_ewma, stale, self.decode_bytes_per_s_ewma
-        )
+        if bytes_per_s is None:
+            bytes_per_s = self.store_bytes_per_s_ewma
+        return TierCost(self.latency_s_ewma, bytes_per_s, stale, self.decode_bytes_per_s_ewma)
 
     def statistics(self) -> TierStatistics:
         return snapshot(TierStatistics, self)

@@ -118,6 +118,7 @@ from .remote import (
     RemoteTier,
     Unavailable,
     load_batches,
+    timed,
 )
 from .writebehind import WriteEntry
 
@@ -657,28 +658,28 @@ class MooncakeTier(RemoteTier):
         bufs = [buf for _, buf in live]
         names = [mooncake_key(entry.key) for entry, _ in live]
         # The entries keep their buffer references until the loop releases them after this
-        # returns: batch_put_from (or the encoding) reads the arena, and its thread is never
-        # abandoned.
+        # returns: the thread reads the arena, and it is never abandoned.
+        spent: list[float] = []  # the call's own seconds (less its encoding): the link's
         try:
             if self.stage.passthrough:
                 sizes = [buf.length for buf in bufs]
-                results = await self._transfer("batch_put_from", calls.put_from, names, bufs, sizes)
+                put = timed(calls.put_from, spent)
+                results = await self._transfer("batch_put_from", put, names, bufs, sizes)
             else:
                 capacity = max(buf.capacity for buf in bufs)
                 async with self._staging_buffers(len(bufs), capacity) as staging:
                     results, sizes, seconds = await self._transfer(
-                        "batch_put_from", calls.encode_put, names, staging,
-                        [s.capacity for s in staging],
-                        bufs, staging, self.stage,
+                        "batch_put_from", timed(calls.encode_put, spent), names, staging,
+                        [s.capacity for s in staging], bufs, staging, self.stage,
                         [entry.key.to_string().encode() for entry, _ in live],
                         [entry.tenant for entry, _ in live],
                     )  # fmt: skip
                 self.stats.encode_seconds += seconds
-        except Unavailable:
+                spent[0] -= seconds
+        except BaseException as exc:
             self.stats.writes_dropped += len(live)
-            return
-        except BaseException:
-            self.stats.writes_dropped += len(live)
+            if isinstance(exc, Unavailable):
+                return
             raise
         error: str | None = None
         undo: list[ChunkKey] = []
@@ -698,6 +699,8 @@ class MooncakeTier(RemoteTier):
         self.stats.writes_dropped += max(0, len(live) - len(results))
         if error is not None:
             self._failed("batch_put_from", error)
+        elif spent:  # the link's throughput, before any load measures it
+            self.stats.observe_store(sum(b.length for b in bufs), spent[0])
         else:
             self._succeeded()
         for key in undo:

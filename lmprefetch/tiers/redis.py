@@ -91,6 +91,7 @@ from .remote import (
     RemoteTier,
     Unavailable,
     load_batches,
+    timed,
 )
 from .writebehind import WriteEntry
 
@@ -600,8 +601,9 @@ class RedisTier(RemoteTier):
             for _, _, buf, _ in owned:
                 buf.release()
         self.stats.encode_seconds += seconds
+        spent: list[float] = []
         try:
-            ok, error = await self._remote("SET", partial(_set_all, items=items))
+            ok, error = await self._remote("SET", timed(partial(_set_all, items=items), spent))
         except Unavailable:
             self.stats.writes_dropped += len(items)
             return
@@ -610,11 +612,15 @@ class RedisTier(RemoteTier):
             raise
         stored = sum(ok)
         self.stats.chunks_stored += stored
+        moved = 0
         for key, done, n_payload, n_stored in zip(keys, ok, payload_bytes, sizes):
             if done:
+                moved += n_payload
                 self.stats.bytes_stored += n_payload
                 self.stats.encoded_bytes_stored += n_stored
                 self._note_stored(key)
+        if error is None and spent:  # the link's throughput, before any load measures it
+            self.stats.observe_store(moved, spent[0])
         if error is not None:
             self.stats.writes_dropped += len(items) - stored
             self._failed("SET", error)
