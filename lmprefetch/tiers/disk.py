@@ -26,9 +26,10 @@ tier owns: reads under ``CapacityLimiter(read_threads)`` shared by every load, w
 the directory scan under ``CapacityLimiter(1)``.  The in-memory index (key -> file size, in LRU
 order) is touched only from the Trio thread, so it needs no lock.
 
-A load reads the chunks the page cache holds in one thread call, in order (the page-cache
-pass, ``RWF_NOWAIT``); what would wait for the device goes to up to ``read_threads`` thread calls
-that take the remaining chunks in order, several per call (:mod:`lmprefetch.tiers.diskread`).
+A load reads the chunks the page cache holds in one thread call per CPU (at most
+``read_threads``), taking them in order (the page-cache pass, ``RWF_NOWAIT``); what would wait
+for the device goes to up to ``read_threads`` thread calls that take the remaining chunks in
+order, several per call (:mod:`lmprefetch.tiers.diskread`).
 Threads that write into a buffer run with ``abandon_on_cancel=False``, and each checks for the
 load's cancellation before every chunk and between the pieces of a chunk
 (:data:`chunkfile.PIECE_BYTES`, each hashed while it is still in the CPU's cache).  So a
@@ -145,6 +146,8 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
         self.o_direct_active = bool(o_direct and chunkfile.O_DIRECT_FLAG)
         self.cached_pass = bool(chunkfile.NOWAIT_FLAG)
         self._read_limiter = trio.CapacityLimiter(read_threads)
+        #: Threads of a load's page-cache pass: one per CPU, at most ``read_threads``.
+        self._pass_threads = max(1, min(read_threads, len(os.sched_getaffinity(0))))
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._used_bytes = 0
@@ -273,14 +276,21 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
             )
             try:
                 if self.cached_pass and not self.o_direct_active:
-                    # Page-cache hits, the common case: one thread call reads the chunks in
-                    # order for as long as the page cache holds their bytes (RWF_NOWAIT), and
-                    # checks between pieces whether the load was cancelled.  One hand-off
-                    # each way, no tasks, no nurseries; concurrent loads share the read
-                    # threads through the read limiter, first come first served.  Reads
-                    # from the page cache are bound by memory bandwidth, which more threads
-                    # do not add to (docs/benchmarks.md, the phase budget).
-                    await self._in_thread(self._read_all, run, True)
+                    # Page-cache hits, the common case: a thread call per CPU (at most
+                    # ``read_threads``) takes the chunks in order for as long as the page
+                    # cache holds their bytes (RWF_NOWAIT), and checks between pieces whether
+                    # the load was cancelled; a chunk the page cache lacks is put back.  A
+                    # copy out of the page cache is bound by one core's memory traffic, and a
+                    # second core nearly doubles it (the phase budget, docs/benchmarks.md);
+                    # one load alone gets both, concurrent loads share the read threads
+                    # through the read limiter, first come first served.
+                    passes = min(self._pass_threads, len(run.jobs))
+                    if passes == 1:
+                        await self._in_thread(self._read_all, run, True)
+                    else:
+                        async with trio.open_nursery() as in_cache:
+                            for _ in range(passes):
+                                in_cache.start_soon(self._in_thread, self._read_all, run, True)
                 # What is left would wait for the device: several threads, where there are
                 # enough chunks for them.
                 readers = min(self.read_threads, -(-run.remaining() // _CHUNKS_PER_THREAD_CALL))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+from bisect import insort
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -87,11 +88,15 @@ class _LoadRun:
     """The chunks of one load, shared by the threads reading them.
 
     Threads take chunk indices in increasing order (:meth:`take`), so when chunk ``i`` fails,
-    every chunk before ``i`` has been taken already and no chunk after it is ever needed.
-    ``stop`` is set the moment the load is cancelled; a thread checks it before each chunk.
+    every chunk before ``i`` has been taken already and no chunk after it is ever needed.  A
+    chunk the page-cache pass put back (:meth:`put_back`) is taken again before any chunk
+    not taken yet, by a read that may wait for the device.  ``stop`` is set the moment the
+    load is cancelled; a thread checks it before each chunk.
     """
 
-    __slots__ = ("_first_bad", "_lock", "_next", "jobs", "outcomes", "stop", "tenant")
+    __slots__ = (
+        "_first_bad", "_lock", "_next", "_returned", "jobs", "outcomes", "stop", "tenant",
+    )  # fmt: skip
 
     def __init__(self, jobs: list[_ReadJob], tenant: bytes = b"") -> None:
         self.jobs = jobs
@@ -104,28 +109,37 @@ class _LoadRun:
         self._lock = threading.Lock()
         self._next = 0
         self._first_bad = len(jobs)
+        #: Chunks put back, to be taken again (in increasing order, before ``_next``).
+        self._returned: list[int] = []
 
     def has_work(self) -> bool:
-        with self._lock:
-            return self._next < self._first_bad and not self.stop.is_set()
+        return self.remaining() > 0 and not self.stop.is_set()
 
     def take(self) -> int | None:
         """The next chunk to read, or ``None`` when there is none or the load stopped."""
         with self._lock:
-            if self._next >= self._first_bad or self.stop.is_set():
+            if self.stop.is_set():
+                return None
+            if self._returned:
+                i = self._returned.pop(0)
+                if i < self._first_bad:
+                    return i
+                self._returned.clear()  # all past the first failed chunk: never needed
+            if self._next >= self._first_bad:
                 return None
             self._next += 1
             return self._next - 1
 
     def remaining(self) -> int:
-        """Chunks not taken yet (up to the first failed one)."""
+        """Chunks not taken yet, or put back (up to the first failed one)."""
         with self._lock:
-            return max(0, self._first_bad - self._next)
+            returned = sum(1 for i in self._returned if i < self._first_bad)
+            return returned + max(0, self._first_bad - self._next)
 
     def put_back(self, i: int) -> None:
-        """Chunk ``i``, taken last, is to be taken again (by another kind of read)."""
+        """Chunk ``i``, taken by this thread, is to be taken again (by another kind of read)."""
         with self._lock:
-            self._next = min(self._next, i)
+            insort(self._returned, i)
 
     def fail(self, i: int, exc: chunkfile.ChunkMiss | OSError) -> None:
         with self._lock:
