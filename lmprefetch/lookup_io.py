@@ -199,17 +199,18 @@ class LookupIO:
             lookups.note_deadline_expired()
             rec.end(0)
             return rec
+        prompt_tokens = sum(offsets)
         if skip_chunks == n_chunks:
-            rec.end(sum(offsets))
+            rec.end(prompt_tokens)
             return rec
         skipped_tokens = sum(offsets[:skip_chunks]) if skip_chunks else 0
         end = n_chunks  # the chunks this lookup may probe and load, skipped ones included
         if self._decides_first:
             request = LoadRequest(
                 parts=(),
-                chunk_tokens=tuple(offsets[skip_chunks:]),
+                chunk_tokens=tuple(offsets[skip_chunks:] if skip_chunks else offsets),
                 computed_tokens=skipped_tokens,
-                prompt_tokens=sum(offsets),
+                prompt_tokens=prompt_tokens,
                 prefill=self._prefill,
             )
             end = skip_chunks + self._ask_policy(request)
@@ -238,7 +239,7 @@ class LookupIO:
                     [(self._cpu, found, True)],
                     offsets[skip_chunks : skip_chunks + found],
                     skipped_tokens,
-                    sum(offsets),
+                    prompt_tokens,
                 )
                 _release_pairs(held[keep * self._kpc :])
                 del held[keep * self._kpc :]
@@ -560,12 +561,14 @@ class LookupIO:
         """The policy's answer to ``request``, clamped to ``[0, request.hit_chunks]``; the
         whole hit when the policy raises (logged)."""
         policy = self.policy
-        n = request.hit_chunks
+        n = len(request.chunk_tokens)
         try:
-            keep = max(0, min(n, int(policy.chunks_to_load(request))))
+            keep = int(policy.chunks_to_load(request))
         except Exception:
             log.exception("load policy %r failed; loading the whole hit", policy)
             keep = n
+        if not 0 <= keep <= n:
+            keep = 0 if keep < 0 else n
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "load policy %s: %d of %d chunks; tiers %s; prefill (s/token, s/attention) %s",
