@@ -26,10 +26,10 @@ tier owns: reads under ``CapacityLimiter(read_threads)`` shared by every load, w
 the directory scan under ``CapacityLimiter(1)``.  The in-memory index (key -> file size, in LRU
 order) is touched only from the Trio thread, so it needs no lock.
 
-A load reads the chunks the page cache holds in one thread call per CPU (at most
-``read_threads``), taking them in order (the page-cache pass, ``RWF_NOWAIT``); what would wait
-for the device goes to up to ``read_threads`` thread calls that take the remaining chunks in
-order, several per call (:mod:`lmprefetch.tiers.diskread`).
+A load reads the chunks the page cache holds in one thread call per CPU but the one the Trio
+thread keeps (at most ``read_threads``), taking them in order (the page-cache pass,
+``RWF_NOWAIT``); what would wait for the device goes to up to ``read_threads`` thread calls
+that take the remaining chunks in order, several per call (:mod:`lmprefetch.tiers.diskread`).
 Threads that write into a buffer run with ``abandon_on_cancel=False``, and each checks for the
 load's cancellation before every chunk and between the pieces of a chunk
 (:data:`chunkfile.PIECE_BYTES`, each hashed while it is still in the CPU's cache).  So a
@@ -146,8 +146,10 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
         self.o_direct_active = bool(o_direct and chunkfile.O_DIRECT_FLAG)
         self.cached_pass = bool(chunkfile.NOWAIT_FLAG)
         self._read_limiter = trio.CapacityLimiter(read_threads)
-        #: Threads of a load's page-cache pass: one per CPU, at most ``read_threads``.
-        self._pass_threads = max(1, min(read_threads, len(os.sched_getaffinity(0))))
+        #: Threads of a load's page-cache pass: one per CPU but the one the Trio thread needs,
+        #: at most ``read_threads``, at least one (docs/benchmarks.md: on 2 CPUs a second pass
+        #: thread made a lone hit 8 % faster and its cancel's p99 2.2 times slower).
+        self._pass_threads = max(1, min(read_threads, len(os.sched_getaffinity(0)) - 1))
         self._write_limiter = trio.CapacityLimiter(1)
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._used_bytes = 0
@@ -276,14 +278,16 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
             )
             try:
                 if self.cached_pass and not self.o_direct_active:
-                    # Page-cache hits, the common case: a thread call per CPU (at most
-                    # ``read_threads``) takes the chunks in order for as long as the page
-                    # cache holds their bytes (RWF_NOWAIT), and checks between pieces whether
-                    # the load was cancelled; a chunk the page cache lacks is put back.  A
-                    # copy out of the page cache is bound by one core's memory traffic, and a
-                    # second core nearly doubles it (the phase budget, docs/benchmarks.md);
-                    # one load alone gets both, concurrent loads share the read threads
-                    # through the read limiter, first come first served.
+                    # Page-cache hits, the common case: a thread call per CPU but one (at
+                    # least one, at most ``read_threads``) takes the chunks in order for as
+                    # long as the page cache holds their bytes (RWF_NOWAIT), and checks
+                    # between pieces whether the load was cancelled; a chunk the page cache
+                    # lacks is put back.  A copy out of the page cache is bound by one core's
+                    # memory traffic, so more cores copy faster, but the Trio thread keeps
+                    # one: with none left, its wake-ups (a cancel's, the other lookups')
+                    # wait for a reader (the phase budget, docs/benchmarks.md).  Concurrent
+                    # loads share the read threads through the read limiter, first come
+                    # first served.
                     passes = min(self._pass_threads, len(run.jobs))
                     if passes == 1:
                         await self._in_thread(self._read_all, run, True)
