@@ -23,6 +23,7 @@ from lmprefetch.memory import Buffer
 from lmprefetch.policy import (
     AlwaysLoad,
     CostPolicy,
+    Decides,
     HitPart,
     LoadRequest,
     NeverLoad,
@@ -535,6 +536,56 @@ async def test_a_raising_custom_policy_loads_everything(autojump_clock: trio.abc
         hashes = await put_in(slow, eng, policy_prompt(3, 1), policy_data(3, 1))
         assert await eng.lookup_and_prefetch("b", hashes, [CS] * 3) == 3 * CS
         eng.cancel("b")
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
+class Answers:
+    """A custom policy (``tests.test_policy:Answers``) that answers what its class says, and
+    keeps the requests it was asked."""
+
+    answer = 0
+    asked: ClassVar[list[LoadRequest]] = []
+
+    def chunks_to_load(self, request: LoadRequest) -> int:
+        self.asked.append(request)
+        return self.answer
+
+
+class AnswersFirst(Answers):
+    """The same, deciding before probing (``tests.test_policy:AnswersFirst``)."""
+
+    decides = Decides.BEFORE_PROBING
+
+
+@pytest.mark.parametrize("policy", ["Answers", "AnswersFirst"])
+@pytest.mark.parametrize(("answer", "loaded"), [(-3, 0), (0, 0), (2, 2), (4, 4), (9, 4)])
+async def test_a_policys_answer_is_clamped_to_the_hit(
+    autojump_clock: trio.abc.Clock, policy: str, answer: int, loaded: int
+) -> None:
+    """Whatever a policy answers, a lookup loads between none and all of the chunks it may
+    (``answer`` clamped to ``[0, hit]``), whether the policy decides before probing or after;
+    and it is asked with the prompt as it is: every chunk's tokens, the tokens already
+    computed, the whole prompt's, and the engine's prefill model."""
+    cls = {"Answers": Answers, "AnswersFirst": AnswersFirst}[policy]
+    cls.answer = answer
+    cls.asked = []
+    slow = _slow()
+    config = policy_config(load_policy=f"tests.test_policy:{policy}")
+    async with engine_with(config, slow) as eng:
+        hashes = await put_in(slow, eng, policy_prompt(5, 1), policy_data(5, 1))
+        got = await eng.lookup_and_prefetch("c", hashes, [CS] * 5, skip_chunks=1)
+        assert got == (1 + loaded) * CS
+        (request,) = cls.asked
+        assert request.chunk_tokens == (CS,) * 4
+        assert (request.computed_tokens, request.prompt_tokens) == (CS, 5 * CS)
+        assert request.prefill is eng.prefill
+        lookups = eng.statistics().lookups
+        # (A policy deciding first bounds the probes: what it found, it loaded whole.)
+        whole = loaded == 4 or (loaded and policy == "AnswersFirst")
+        decision = "loaded" if whole else "truncated" if loaded else "skipped"
+        assert getattr(lookups, f"policy_{decision}") == 1
+        eng.cancel("c")
         await eng.wait_quiet()
         assert_conserved(eng)
 
