@@ -101,7 +101,12 @@ def test_tenant_ids_name_tenants_without_their_salt() -> None:
 def test_the_master_key_file(tmp_path: Path) -> None:
     good = tmp_path / "key"
     good.write_text("ab" * 32 + "\n")
-    assert load_master_key(good) == b"ab" * 32
+    assert load_master_key(good) == b"ab" * 32  # a text key: its newline is not key
+    # A binary key is taken as it is, whitespace bytes at its ends included (stripped, a
+    # random 32-byte key ending in b"\n" was a 31-byte key, refused: about one start in 20).
+    for binary in (b"\x01" * 31 + b"\n", b" " + b"\xff" * 31, b"\t\x80" * 16 + b"\r\n"):
+        good.write_bytes(binary)
+        assert load_master_key(good) == binary
     short = tmp_path / "short"
     short.write_bytes(b"x" * 31)
     with pytest.raises(KeyFileError, match=r"^encryption_key_file: .*holds 31 bytes"):

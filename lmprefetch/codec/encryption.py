@@ -83,7 +83,10 @@ class DecryptionMiss(CodecMiss):
 
 
 def load_master_key(path: str | os.PathLike[str], *, setting: str = "encryption_key_file") -> bytes:
-    """The master key in the file ``path`` (surrounding whitespace stripped).
+    """The master key in the file ``path``: its bytes as they are, or, for a key written as
+    text (printable ASCII, such as ``openssl rand -hex 32``), without surrounding whitespace.
+    A binary key is never stripped: 32 random bytes begin or end with a whitespace byte about
+    one time in 20, and ``head -c 32 /dev/urandom`` would then make a 31-byte key.
 
     Raises:
         KeyFileError: the file is missing, unreadable, or holds fewer than 32 bytes; the
@@ -106,7 +109,8 @@ def load_master_key(path: str | os.PathLike[str], *, setting: str = "encryption_
             f"{setting}: the key file {str(path)!r} is larger than {_KEY_FILE_MAX_BYTES} bytes: "
             "not a key file"
         )
-    key = raw.strip()
+    text = raw.strip()
+    key = text if all(0x20 <= b < 0x7F for b in text) else raw
     if len(key) < MASTER_KEY_MIN_BYTES:
         raise KeyFileError(
             f"{setting}: the key file {str(path)!r} holds {len(key)} bytes; at least "
