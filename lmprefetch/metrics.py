@@ -92,6 +92,10 @@ _TIER_COUNTERS = {
     "bytes_stored": ("lmprefetch_tier_stored_bytes", "Bytes stored into a tier"),
     "errors": ("lmprefetch_tier_errors", "Tier operations that failed or timed out"),
     "writes_dropped": ("lmprefetch_tier_writes_dropped", "Write-behind chunks dropped"),
+    "writes_skipped": (
+        "lmprefetch_tier_writes_skipped",
+        "Write-behind chunks a tier held already, not written again",
+    ),
     "evictions": ("lmprefetch_tier_evictions", "Entries evicted from a tier"),
     "encoded_bytes_loaded": (
         "lmprefetch_tier_encoded_loaded_bytes",

@@ -149,6 +149,47 @@ async def test_round_trip_exact_bytes(redis_url: str, arena: Arena) -> None:
             assert tier.stats.errors == 0
 
 
+async def test_a_chunk_redis_holds_is_not_sent_again(redis_url: str, arena: Arena) -> None:
+    """A second engine storing chunks the first one stored (or a load policy's recomputed
+    chunks) sends only those Redis does not hold: the link carries each chunk once."""
+    keys = make_keys(10, seed=41)
+    payloads = make_payloads(10, size=SLOT_BYTES)
+
+    async def received() -> int:
+        total = 0
+        for url in redis_url.split(","):
+            info = await run_raw(url, "INFO", "stats")
+            assert isinstance(info, dict)
+            total += int(info["total_net_input_bytes"])
+        return total
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with tier_on(redis_url) as first:
+            await store_all(first, arena, keys[:8], payloads[:8])
+            assert first.stats.chunks_stored == 8
+            assert first.stats.writes_skipped == 0
+        async with tier_on(redis_url) as second:
+            before = await received()
+            zeros = [bytes(len(p)) for p in payloads[:8]]
+            await store_all(second, arena, keys, zeros + payloads[8:])
+            sent = await received() - before
+            assert second.stats.writes_skipped == 8
+            assert second.stats.chunks_stored == 2
+            assert second.stats.bytes_stored == 2 * SLOT_BYTES
+            assert second.stats.writes_dropped == 0
+            # The link carried the two new chunks and the keys, not the eight held ones.
+            assert 2 * SLOT_BYTES < sent < 3 * SLOT_BYTES
+            # Redis kept the first engine's values (the zeros were never sent) ...
+            assert await load_all(second, arena, keys) == payloads
+            # ... and a batch that is all held measures no write throughput.
+            assert second.stats.store_bytes_per_s_ewma is not None
+        async with tier_on(redis_url) as third:
+            await store_all(third, arena, keys[:4], payloads[:4])
+            assert third.stats.writes_skipped == 4
+            assert third.stats.chunks_stored == 0
+            assert third.stats.store_bytes_per_s_ewma is None
+
+
 async def test_cluster_keys_spread_over_every_node(
     redis_cluster: RedisCluster, arena: Arena
 ) -> None:
@@ -241,6 +282,10 @@ async def test_corrupt_value_is_a_miss_from_there(
             assert not tier.backing_off  # bad data is not a sick server
             # the corrupt value was removed, so the probe now agrees with the load
             assert await tier.contains_prefix(keys, pin=False) == 1
+            # and the next store of the chunk writes it again (Redis no longer holds it)
+            await store_all(tier, arena, keys[1:2], payloads[1:2])
+            assert tier.stats.writes_skipped == 0
+            assert await load_all(tier, arena, keys) == payloads
 
 
 async def test_value_larger_than_the_buffer_is_a_miss_but_stays(redis_server: RedisServer) -> None:

@@ -77,6 +77,9 @@ class TierCounters(msgspec.Struct, gc=False):
     codec_misses: int = 0
     #: Write-behind chunks dropped instead of written, and entries evicted.
     writes_dropped: int = 0
+    #: Write-behind chunks not written because the tier held them already (Redis: a chunk
+    #: computed again, by a load policy's choice or by another engine).
+    writes_skipped: int = 0
     evictions: int = 0
     #: Calls that failed or timed out.
     errors: int = 0

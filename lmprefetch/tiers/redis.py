@@ -48,7 +48,10 @@ the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s pin bookkeeping so
 **Write-behind.**  :meth:`RedisTier.enqueue_write` is synchronous and never blocks: it takes a
 reference on the buffer and queues it, or drops the write (and counts it) when the queue is full
 or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
-the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs.
+the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs
+of the chunks Redis does not hold already (a pipelined ``TOUCH`` first, in the same thread: a
+chunk computed again, because a load policy recomputed it or another engine stored it, is not
+sent over the link again; counted in ``stats.writes_skipped``).
 
 **Codecs.**  The tier's :class:`~lmprefetch.codec.ChunkStage` (``redis_codec``, encryption;
 docs/codecs.md) runs in those copy threads: the writer's copy out of the arena is the encoding
@@ -91,7 +94,6 @@ from .remote import (
     RemoteTier,
     Unavailable,
     load_batches,
-    timed,
 )
 from .writebehind import WriteEntry
 
@@ -139,6 +141,8 @@ class RedisPipeline(Protocol):
     def get(self, name: bytes) -> object: ...
 
     def set(self, name: bytes, value: bytes) -> object: ...
+
+    def touch(self, *names: bytes) -> object: ...
 
     def execute(self, raise_on_error: bool = True) -> list[Any]: ...
 
@@ -247,23 +251,36 @@ def _get_prefix(
     return payloads, None, False
 
 
-def _set_all(
+def _set_missing(
     client: RedisClient, items: Sequence[tuple[bytes, bytes]]
-) -> tuple[list[bool], BaseException | None]:
-    """Pipelined SET; which succeeded, and the first error."""
+) -> tuple[list[bool], list[bool], BaseException | None, float]:
+    """Send the values Redis does not hold yet: a pipelined ``TOUCH`` of every name (which also
+    counts a chunk written again as used now, for Redis's eviction), then a pipelined ``SET`` of
+    the others.  Which are in Redis now, which of those it held already (not sent), the first
+    error, and the seconds the ``SET`` took (``0.0`` when nothing was sent)."""
     pipe = client.pipeline(transaction=False)
-    for name, value in items:
-        pipe.set(name, value)
-    results = pipe.execute(raise_on_error=False)
-    ok: list[bool] = []
+    for name, _ in items:
+        pipe.touch(name)
+    # A name whose TOUCH failed (a server or a user that refuses TOUCH) is sent.
+    held = [r is not None and not isinstance(r, BaseException) and bool(r)
+            for r in pipe.execute(raise_on_error=False)]  # fmt: skip
+    ok = list(held)
     error: BaseException | None = None
-    for result in results:
+    send = [i for i, h in enumerate(held) if not h]
+    if not send:
+        return ok, held, None, 0.0
+    t0 = time.perf_counter()
+    pipe = client.pipeline(transaction=False)
+    for i in send:
+        pipe.set(*items[i])
+    results = pipe.execute(raise_on_error=False)
+    seconds = time.perf_counter() - t0
+    for i, result in zip(send, results, strict=True):
         if isinstance(result, BaseException):
             error = error or result
-            ok.append(False)
         else:
-            ok.append(True)
-    return ok, error
+            ok[i] = True
+    return ok, held, error, seconds
 
 
 def _copy_into(
@@ -601,28 +618,29 @@ class RedisTier(RemoteTier):
             for _, _, buf, _ in owned:
                 buf.release()
         self.stats.encode_seconds += seconds
-        spent: list[float] = []
         try:
-            ok, error = await self._remote("SET", timed(partial(_set_all, items=items), spent))
+            ok, held, error, set_s = await self._remote("SET", partial(_set_missing, items=items))
         except Unavailable:
             self.stats.writes_dropped += len(items)
             return
         except BaseException:
             self.stats.writes_dropped += len(items)
             raise
-        stored = sum(ok)
-        self.stats.chunks_stored += stored
         moved = 0
-        for key, done, n_payload, n_stored in zip(keys, ok, payload_bytes, sizes):
-            if done:
+        for key, done, was_held, n_payload, n_stored in zip(keys, ok, held, payload_bytes, sizes):
+            if was_held:
+                self.stats.writes_skipped += 1
+                self._note_stored(key)
+            elif done:
                 moved += n_payload
+                self.stats.chunks_stored += 1
                 self.stats.bytes_stored += n_payload
                 self.stats.encoded_bytes_stored += n_stored
                 self._note_stored(key)
-        if error is None and spent:  # the link's throughput, before any load measures it
-            self.stats.observe_store(moved, spent[0])
+        if error is None and moved:  # the link's throughput, before any load measures it
+            self.stats.observe_store(moved, set_s)
         if error is not None:
-            self.stats.writes_dropped += len(items) - stored
+            self.stats.writes_dropped += len(items) - sum(ok)
             self._failed("SET", error)
 
     # -- shutdown ----------------------------------------------------------------------
