@@ -576,6 +576,42 @@ def test_in_order_runs_the_scenarios_in_the_order_named() -> None:
     assert [s.name for s in opts.scenarios_to_run()] == LINK_NAMES  # the table's order
 
 
+def test_side_by_side_groups_the_link_scenarios_of_one_link_and_codec() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    names = ",".join(["fast_remote_cost", "apc", *reversed(LINK_NAMES), "slow_remote_lossless"])
+    args = ["--quick", "--scenarios", names, "--in-order"]
+    opts = options_from_args(parser.parse_args([*args, "--side-by-side"]))
+    groups = [[s.name for s in g] for g in opts.scenario_groups()]
+    assert groups == [
+        ["fast_remote_cost", "fast_remote_recompute", "fast_remote_always"],
+        ["apc"],
+        ["slow_remote_cost", "slow_remote_recompute", "slow_remote_always"],
+        ["slow_remote_lossless"],  # another codec: its own Redis
+    ]
+    assert opts.settings()["side_by_side"] == [groups[0], groups[2]]
+    alone = options_from_args(parser.parse_args(args))
+    assert [len(g) for g in alone.scenario_groups()] == [1] * 8
+    assert alone.settings()["side_by_side"] == []
+
+
+def test_every_server_runs_its_model_with_a_core_left_for_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmprefetch.bench.serve.servers import base_env, model_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
+    assert model_threads() == 1
+    assert base_env(tmp_path)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
+    assert base_env(tmp_path)["OMP_NUM_THREADS"] == "7"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {3})
+    assert base_env(tmp_path)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the operator's choice stands
+    assert base_env(tmp_path)["OMP_NUM_THREADS"] == "4"
+
+
 def _link_runs() -> Any:
     import importlib.util
 
@@ -594,6 +630,11 @@ def test_link_runs_alternates_the_order_and_tabulates_each_run() -> None:
     assert tool.scenario_order(1) == LINK_NAMES
     assert tool.scenario_order(2) == LINK_NAMES[::-1]
     assert tool.scenario_order(3) == LINK_NAMES
+    argv = tool.bench_serve_argv(2, Path("r.json"), "py", ["--model", "random"])
+    assert argv[argv.index("--scenarios") + 1] == ",".join(LINK_NAMES[::-1])
+    assert "--side-by-side" in argv and argv[-2:] == ["--model", "random"]
+    alone = tool.bench_serve_argv(1, Path("r.json"), "py", [], side_by_side=False)
+    assert "--side-by-side" not in alone
     p50 = dict(zip(LINK_NAMES, [1000.0, 500.0, 540.0, 40.0, 500.0, 48.0]))
     result = _link_result(p50)
     raw = result["raw"]["slow_remote_cost"]

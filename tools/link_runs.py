@@ -1,14 +1,21 @@
 """Repeated runs of bench-serve's six Redis link scenarios, for docs/benchmarks.md.
 
-Runs ``lmprefetch bench-serve --quick --in-order`` N times, alternating the order of the
-scenarios (odd runs: slow then fast, always, recompute, cost; even runs: the reverse, so that
-no policy always runs first or last), prints the load average before and after each run, and
+Runs ``lmprefetch bench-serve --quick --in-order --side-by-side`` N times, alternating the
+order of the scenarios (odd runs: slow then fast, always, recompute, cost; even runs: the
+reverse, so that no policy's server always starts first or last), prints the load average
+before and after each run, and
 writes a Markdown table (one row per run and link: the TTFT p50 of always, recompute and
 cost, cost ÷ the better of the other two, and the cost policy's decisions) to
 ``OUT/table.md``, beside each run's ``--json`` and text report.  The goal (issue 31): cost ÷
 better ≤ 1.1 in every run, on both links::
 
     python tools/link_runs.py --runs 5 --out link-runs -- --model random
+
+Side by side (the default): the three policies of a link each have a measured server, up at
+once, and every question goes to each of them in turn, so what the machine does over minutes
+falls on all three alike.  One after the other (``--one-at-a-time``, bench-serve's default),
+two servers doing identical work differed by up to ±20 % on the 2-vCPU machine of
+docs/benchmarks.md, each keeping its pace from its first question to its last.
 
 Run it with the Python that has vLLM (the servers run under it); bench-serve enters its
 private network namespace itself.  Extra arguments after ``--`` go to bench-serve
@@ -45,17 +52,27 @@ def _load() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+def bench_serve_argv(
+    run: int, json_path: Path, python: str, extra: Sequence[str], *, side_by_side: bool = True
+) -> list[str]:
+    """The bench-serve command of run ``run`` (from 1)."""
+    argv = [
+        python, "-m", "lmprefetch", "bench-serve", "--quick", "--in-order", "--no-progress",
+        "--scenarios", ",".join(scenario_order(run)), "--json", str(json_path),
+    ]  # fmt: skip
+    if side_by_side:
+        argv.append("--side-by-side")
+    return [*argv, *extra]
+
+
 def run_once(
-    run: int, out: Path, python: str, extra: Sequence[str]
+    run: int, out: Path, python: str, extra: Sequence[str], *, side_by_side: bool = True
 ) -> tuple[Path, str, str, int, float]:
     """One bench-serve run: its JSON, the load average before and after, its exit status and
     its duration."""
     order = scenario_order(run)
     json_path = out / f"run-{run}.json"
-    argv = [
-        python, "-m", "lmprefetch", "bench-serve", "--quick", "--in-order", "--no-progress",
-        "--scenarios", ",".join(order), "--json", str(json_path), *extra,
-    ]  # fmt: skip
+    argv = bench_serve_argv(run, json_path, python, extra, side_by_side=side_by_side)
     before = _load()
     print(f"run {run}: load average {before} before; order {', '.join(order)}", flush=True)
     t0 = time.monotonic()
@@ -141,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="runs (default 5)")
     p.add_argument("--out", type=Path, default=Path("link-runs"), help="output directory")
     p.add_argument("--python", default=sys.executable, help="the Python with vLLM")
+    p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run the scenarios one after the other, not side by side",
+    )
     p.add_argument("extra", nargs="*", help="more bench-serve arguments (after --)")
     args = p.parse_args(argv)
     if args.runs < 1:
@@ -150,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_rows: list[dict[str, Any]] = []
     status = 0
     for run in range(1, args.runs + 1):
-        json_path, before, after, code, _ = run_once(run, args.out, args.python, args.extra)
+        json_path, before, after, code, _ = run_once(
+            run, args.out, args.python, args.extra, side_by_side=not args.one_at_a_time
+        )
         status = status or code
         summary = json.loads(json_path.read_text()) if json_path.exists() else {}
         all_rows.extend(rows(run, summary, before, after))

@@ -143,6 +143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the list above)",
     )
     p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the Redis link scenarios of one link side by side: Redis filled and the "
+        "link set up once, one measured server per scenario, every question to each server "
+        "in turn (what the machine does over minutes falls on every load policy alike)",
+    )
+    p.add_argument(
         "--model",
         choices=MODEL_CHOICES,
         default="auto",
@@ -164,6 +171,7 @@ def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
         "seed": args.seed,
         "progress": not args.no_progress,
         "in_order": args.in_order,
+        "side_by_side": args.side_by_side,
         "model_kind": args.model,
     }
     for name in ("rounds", "kv_pool_tokens", "probes"):

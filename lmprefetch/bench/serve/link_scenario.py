@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,18 @@ from .model import kv_bytes_per_token
 from .options import Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
 from .rounds import WorkloadStats, run_round, send_request, warm_up
-from .servers import Context, ScenarioUnavailable, lmprefetch_kv_config, start_server, stop_server
+from .servers import (
+    Context,
+    ScenarioUnavailable,
+    Server,
+    lmprefetch_kv_config,
+    start_server,
+    stop_server,
+)
 from .stores import chunk_keys, start_redis, wait_in_redis
 from .workloads import long_doc_rounds, probe_prompts
 
-__all__ = ["has_load_policy", "link_cpu_bytes", "run_link_scenario"]
+__all__ = ["has_load_policy", "link_cpu_bytes", "run_link_scenario", "run_link_scenarios"]
 
 
 #: A lookup, a tier operation and a Redis call on the measured server of a link scenario may
@@ -169,14 +177,33 @@ async def run_link_scenario(
     ``load_policy``, a CPU tier too small to keep a document until it comes back, no disk)
     serves the measured rounds, reading Redis through the link.  Chat and probes are not
     run."""
+    return (await run_link_scenarios(ctx, [sc], procs, scenario_tmp))[sc.name]
+
+
+async def run_link_scenarios(
+    ctx: Context, scenarios: Sequence[Scenario], procs: ProcessSet, scenario_tmp: Path
+) -> dict[str, dict[str, Any]]:
+    """Link scenarios of one link and codec side by side (``--side-by-side``): Redis is
+    filled once and the link set up once, as in :func:`run_link_scenario`; then one measured
+    server per scenario (each its own ``load_policy``) is started, and every question goes to
+    each of them in turn, the first of them changing from question to question, each alone on
+    the machine while it runs.  What the machine does over minutes (another process, the
+    host's own load) then falls on every policy alike instead of on whichever scenario ran
+    then; before the next server gets the question, Redis holds every whole chunk of its
+    prompt (the previous server's writes are not on the link).  One scenario: exactly
+    :func:`run_link_scenario`.  Results by scenario name."""
     opts = ctx.opts
-    policy = sc.load_policy or "always"
+    first = scenarios[0]
+    if any((sc.link, sc.codec) != (first.link, first.codec) for sc in scenarios):
+        raise ValueError("side by side: link scenarios of one link and one codec only")
+    policies = [sc.load_policy or "always" for sc in scenarios]
     supported = await trio.to_thread.run_sync(has_load_policy)
-    if policy != "always" and not supported:
-        raise ScenarioUnavailable(
-            f"this lmprefetch has no load_policy setting, so load_policy {policy!r} cannot be "
-            "set (issue 20's policy)"
-        )
+    for policy in policies:
+        if policy != "always" and not supported:
+            raise ScenarioUnavailable(
+                f"this lmprefetch has no load_policy setting, so load_policy {policy!r} cannot "
+                "be set (issue 20's policy)"
+            )
     redis_url = await start_redis(procs, ctx, scenario_tmp)
     redis_port = int(redis_url.rsplit(":", 1)[1])
     # At least 3 measured rounds (the same documents, more questions): cheap here, and the
@@ -184,17 +211,18 @@ async def run_link_scenario(
     rounds = long_doc_rounds(
         opts.long_doc, max(opts.rounds, 4), opts.vocab, opts.seed, opts.prompt_corpus
     )
-    ctx.progress.begin(sc.name, sum(len(r) for r in rounds))
+    label = first.name if len(scenarios) == 1 else " + ".join(sc.name for sc in scenarios)
+    ctx.progress.begin(label, sum(len(r) for r in rounds[1:]) * len(scenarios) + len(rounds[0]))
     startups: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         ctx.progress.status("filling Redis")
         warm_config = lmprefetch_kv_config(opts, redis_url=redis_url)
-        if sc.codec is not None:  # Redis holds the chunks as the codec stores them
-            warm_config["kv_connector_extra_config"]["redis_codec"] = sc.codec
+        if first.codec is not None:  # Redis holds the chunks as the codec stores them
+            warm_config["kv_connector_extra_config"]["redis_codec"] = first.codec
         warm = await start_server(
             procs,
             ctx,
-            f"{sc.name} server filling Redis",
+            f"{label} server filling Redis",
             prefix_caching=True,
             kv_transfer_config=warm_config,
         )
@@ -205,61 +233,104 @@ async def run_link_scenario(
             raise ServerError("the documents' chunks did not all reach Redis within 60 s")
         await stop_server(procs, warm)
 
-        port, link = await _open_link(procs, ctx, sc, redis_port, stack)
+        port, link = await _open_link(procs, ctx, first, redis_port, stack)
         from ...tiers.redis import redis_key
 
         first_chunk = redis_key(chunk_keys(ctx, docs[:1])[0])
         link["measured"] = await trio.to_thread.run_sync(
             _time_link, f"redis://127.0.0.1:{port}", first_chunk
         )
-        kv_config = lmprefetch_kv_config(opts, redis_url=f"redis://127.0.0.1:{port}")
-        extra = kv_config["kv_connector_extra_config"]
-        extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
-        if supported:
-            extra["load_policy"] = policy
-        if sc.codec is not None:
-            extra["redis_codec"] = sc.codec
         traced = await trio.to_thread.run_sync(has_decision_log)
-        if traced:
-            extra["decision_log"] = str(scenario_tmp / "decisions-{rank}.jsonl")
-        ctx.progress.status("starting the measured server")
-        server = await start_server(
-            procs, ctx, f"{sc.name} server", prefix_caching=True, kv_transfer_config=kv_config
-        )
-        startups.append(server.startup_s)
-        ctx.progress.status("")
+        servers: list[Server] = []
+        logs: list[Path] = []
         try:
-            # First-run costs off the measured requests, and the engine's prefill measured at
-            # a document's length (the cost policy's input): two fresh documents, computed.
-            # Their chunks are stored to Redis through the link; wait until they are there, so
-            # their writes do not share the link with the first measured loads.
-            fresh = probe_prompts(
-                2, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1, opts.prompt_corpus
-            )
-            await warm_up(ctx, server)
-            for prompt in fresh:
-                await send_request(ctx, server, prompt, 1)
-            await wait_in_redis(ctx, redis_url, fresh)
-            stats = WorkloadStats()
-            sent_before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
-            for requests in rounds[1:]:
-                await run_round(ctx, requests, [server], lambda _: 0, 1, stats)
-            sent = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url) - sent_before
-            trace = (
-                await trio.to_thread.run_sync(read_decision_logs, scenario_tmp) if traced else None
-            )
+            for k, (sc, policy) in enumerate(zip(scenarios, policies, strict=True)):
+                kv_config = lmprefetch_kv_config(opts, redis_url=f"redis://127.0.0.1:{port}")
+                extra = kv_config["kv_connector_extra_config"]
+                extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
+                if supported:
+                    extra["load_policy"] = policy
+                if sc.codec is not None:
+                    extra["redis_codec"] = sc.codec
+                log_dir = scenario_tmp / f"decisions-{k}"
+                log_dir.mkdir()
+                logs.append(log_dir)
+                if traced:
+                    extra["decision_log"] = str(log_dir / "decisions-{rank}.jsonl")
+                ctx.progress.status(f"starting the measured server of {sc.name}")
+                servers.append(
+                    await start_server(
+                        procs,
+                        ctx,
+                        f"{sc.name} server",
+                        prefix_caching=True,
+                        kv_transfer_config=kv_config,
+                    )
+                )
+            ctx.progress.status("")
+            for k, server in enumerate(servers):
+                # First-run costs off the measured requests, and the engine's prefill measured
+                # at a document's length (the cost policy's input): two fresh documents (each
+                # server its own), computed.  Their chunks are stored to Redis through the
+                # link; wait until they are there, so their writes do not share the link with
+                # the first measured loads.
+                fresh = probe_prompts(
+                    2,
+                    opts.long_doc.doc_tokens,
+                    opts.vocab,
+                    opts.seed + 1 + 1000 * k,
+                    opts.prompt_corpus,
+                )
+                await warm_up(ctx, server)
+                for prompt in fresh:
+                    await send_request(ctx, server, prompt, 1)
+                await wait_in_redis(ctx, redis_url, fresh)
+            stats = [WorkloadStats() for _ in servers]
+            sent = [0] * len(servers)
+            if len(servers) == 1:
+                sent_before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+                for requests in rounds[1:]:
+                    await run_round(ctx, requests, servers, lambda _: 0, 1, stats[0])
+                sent[0] = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+                sent[0] -= sent_before
+            else:
+                question = 0
+                for requests in rounds[1:]:
+                    for req in requests:
+                        n = len(servers)
+                        for k in [(question + j) % n for j in range(n)]:
+                            before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+                            await run_round(ctx, [req], [servers[k]], lambda _: 0, 1, stats[k])
+                            if not await wait_in_redis(ctx, redis_url, [req.prompt]):
+                                raise ServerError(
+                                    f"{scenarios[k].name}: a prompt's chunks did not reach "
+                                    "Redis within 60 s"
+                                )
+                            after = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+                            sent[k] += after - before
+                        question += 1
+            traces = [
+                await trio.to_thread.run_sync(read_decision_logs, d) if traced else None
+                for d in logs
+            ]
         finally:
-            await server.client.aclose()
+            for server in servers:
+                await server.client.aclose()
             ctx.progress.end()
+    together = [sc.name for sc in scenarios] if len(scenarios) > 1 else None
     return {
-        "long_doc_qa": stats,
-        "chat": None,
-        "startup_s": startups,
-        "link": link,
-        "load_policy": policy,
-        "load_policy_set": supported,
-        "redis_codec": sc.codec or "none",
-        "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
-        "redis_sent_bytes": sent,
-        "trace": trace,
+        sc.name: {
+            "long_doc_qa": stats[k],
+            "chat": None,
+            "startup_s": [startups[0], servers[k].startup_s],
+            "link": link,
+            "load_policy": policies[k],
+            "load_policy_set": supported,
+            "redis_codec": sc.codec or "none",
+            "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
+            "redis_sent_bytes": sent[k],
+            "trace": traces[k],
+            **({"side_by_side": together} if together else {}),
+        }
+        for k, sc in enumerate(scenarios)
     }

@@ -259,6 +259,9 @@ class ServeBenchOptions:
     slow_link_delay_s: float = 0.02
     #: Run the scenarios in the order ``scenarios`` names them (default: :data:`SCENARIOS`'s).
     in_order: bool = False
+    #: Run the link scenarios of one link (and codec) side by side: one Redis and link, one
+    #: measured server each, every question to each in turn (:meth:`scenario_groups`).
+    side_by_side: bool = False
 
     def scenarios_to_run(self) -> tuple[Scenario, ...]:
         """The selected scenarios, in the order they run."""
@@ -266,6 +269,24 @@ class ServeBenchOptions:
             by_name = {s.name: s for s in SCENARIOS}
             return tuple(by_name[n] for n in dict.fromkeys(self.scenarios))
         return tuple(s for s in SCENARIOS if s.name in self.scenarios)
+
+    def scenario_groups(self) -> tuple[tuple[Scenario, ...], ...]:
+        """The selected scenarios in the order they run, as the groups that run together: one
+        scenario each, except with :attr:`side_by_side`, where the link scenarios of one link
+        and codec form one group, at the place of the first of them."""
+        groups: list[list[Scenario]] = []
+        by_link: dict[tuple[str | None, str | None], list[Scenario]] = {}
+        for sc in self.scenarios_to_run():
+            if self.side_by_side and sc.link is not None:
+                together = by_link.get((sc.link, sc.codec))
+                if together is not None:
+                    together.append(sc)
+                    continue
+                by_link[(sc.link, sc.codec)] = together = [sc]
+                groups.append(together)
+            else:
+                groups.append([sc])
+        return tuple(tuple(g) for g in groups)
 
     @classmethod
     def full(cls, **changes: Any) -> ServeBenchOptions:
@@ -326,9 +347,7 @@ class ServeBenchOptions:
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name}: must be a positive number, got {value}")
         if self.model_kind not in MODEL_CHOICES:
-            raise ValueError(
-                f"model: one of {', '.join(MODEL_CHOICES)}, got {self.model_kind!r}"
-            )
+            raise ValueError(f"model: one of {', '.join(MODEL_CHOICES)}, got {self.model_kind!r}")
         if not self.scenarios:
             raise ValueError(f"scenarios: none given (known: {', '.join(SCENARIO_NAMES)})")
         unknown = [s for s in self.scenarios if s not in SCENARIO_NAMES]
@@ -356,6 +375,7 @@ class ServeBenchOptions:
         return {
             "quick": self.quick,
             "scenario_order": [s.name for s in self.scenarios_to_run()],
+            "side_by_side": [[s.name for s in g] for g in self.scenario_groups() if len(g) > 1],
             "rounds": self.rounds,
             "long_doc_qa": dataclasses.asdict(self.long_doc),
             "chat": dataclasses.asdict(self.chat),

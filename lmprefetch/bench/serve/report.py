@@ -356,7 +356,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{m['python']}; load average {load['before'][0]:.1f} before, "
         f"{load['after'][0]:.1f} after",
         f"  model: {describe(s['model'], s.get('model_kind', 'random'))}, "
-        f"prompts: {s.get('prompts', 'random token ids')}",
+        f"prompts: {s.get('prompts', 'random token ids')}"
+        + (f"; {m['model_threads']} OpenMP thread(s) per server" if "model_threads" in m else ""),
         f"  vLLM KV pool {s['kv_pool_tokens']:,} tokens ({s['kv_pool_bytes'] >> 20} MiB), "
         f"block {s['block_size']}; lmprefetch chunk {s['chunk_size']} tokens, CPU tier "
         f"{s['lmprefetch_cpu_bytes'] >> 20} MiB",
@@ -424,6 +425,16 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{link.get('delay_ms', math.nan):g} ms one way.",
             "Redis sent / hit bytes: what Redis sent over the measured rounds / the KV bytes of "
             "the tokens vLLM counted as loaded by the connector (about 1: every hit from Redis).",
+            *(
+                [
+                    "Side by side (--side-by-side): "
+                    + "; ".join(" + ".join(g) for g in s["side_by_side"])
+                    + ": one Redis and link, one measured server each, every question sent to "
+                    "each server in turn (the first changing from question to question)."
+                ]
+                if s.get("side_by_side")
+                else []
+            ),
             f"  {'scenario':<25}{'policy':>8}{'codec':>10}{'requests':>9}{'TTFT p50':>10}"
             f"{'hit tokens':>12}{'Redis sent':>12}{'/ hit bytes':>13}"
             f"{'policy: load/cut/skip':>23}  link",

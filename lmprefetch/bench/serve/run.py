@@ -44,7 +44,7 @@ import trio
 
 from .client import RequestFailed
 from .hybrid_models import sliding_window_variant
-from .link_scenario import run_link_scenario
+from .link_scenario import run_link_scenario, run_link_scenarios
 from .model import write_model
 from .options import Scenario, ServeBenchOptions
 from .procs import ManagedProcess, ProcessSet, ServerError, free_port
@@ -64,6 +64,7 @@ from .servers import (
     Server,
     base_env,
     lmprefetch_kv_config,
+    model_threads,
     private_dirs,
     start_server,
     stop_server,
@@ -194,6 +195,28 @@ async def run_scenario(ctx: Context, sc: Scenario) -> dict[str, Any]:
         finally:
             await procs.stop_all()
     return outcome
+
+
+async def run_side_by_side(ctx: Context, group: tuple[Scenario, ...]) -> dict[str, Any]:
+    """Link scenarios side by side (:func:`.link_scenario.run_link_scenarios`); their raw
+    results by name (each ``{"error": ...}`` when the group failed)."""
+    names = "+".join(sc.name for sc in group)
+    scenario_tmp = Path(tempfile.mkdtemp(prefix=f"{group[0].name}-side-", dir=ctx.tmp))
+    outcome: dict[str, Any]
+    async with trio.open_nursery() as nursery:
+        procs = ProcessSet(nursery)
+        try:
+            return await run_link_scenarios(ctx, group, procs, scenario_tmp)
+        except ScenarioUnavailable as exc:
+            outcome = {"error": str(exc), "unavailable": True}
+        except (ServerError, RequestFailed, httpx.HTTPError, trio.TooSlowError) as exc:
+            died = procs.post_mortem()
+            outcome = {
+                "error": f"{names}: {type(exc).__name__}: {exc}" + (f"\n{died}" if died else "")
+            }
+        finally:
+            await procs.stop_all()
+    return {sc.name: dict(outcome) for sc in group}
 
 
 async def _start_lmcache_server(
@@ -343,6 +366,7 @@ def _machine() -> dict[str, Any]:
         "memory_gib": round(mem_gib, 1),
         "python": sys.version.split()[0],
         "versions": versions,
+        "model_threads": os.environ.get("OMP_NUM_THREADS") or str(model_threads()),
     }
 
 
@@ -368,7 +392,11 @@ async def run_bench_serve(opts: ServeBenchOptions) -> dict[str, Any]:
             ),
             progress=progress,
         )
-        for sc in opts.scenarios_to_run():
+        for group in opts.scenario_groups():
+            if len(group) > 1:
+                raw.update(await run_side_by_side(ctx, group))
+                continue
+            sc = group[0]
             try:
                 raw[sc.name] = await run_scenario(ctx, sc)
             except ScenarioUnavailable as exc:  # from the preflight, before any process
