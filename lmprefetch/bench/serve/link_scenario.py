@@ -43,6 +43,16 @@ __all__ = ["has_load_policy", "link_cpu_bytes", "run_link_scenario", "run_link_s
 _LINK_TIMEOUTS = {"lookup_timeout_s": 120.0, "tier_timeout_s": 120.0, "redis_timeout_s": 60.0}
 
 
+#: Fresh documents each measured server computes before the measured rounds.  A server's
+#: steps keep getting faster over its first dozen long prefills (measured on the 2-vCPU
+#: machine, one server recomputing every question: 1,035, 936, 884, 833, 888, 785 ms, then
+#: 760-820 ms), and the prefill model keeps the fastest of a size's last four steps
+#: (:class:`lmprefetch.policy.PrefillModel`): with two, a server that then loads every
+#: question priced recomputing at its second, cold prefill (943 ms against 790) for the
+#: whole scenario.
+SETTLE_DOCS = 6
+
+
 def has_load_policy() -> bool:
     """Whether this lmprefetch has the ``load_policy`` setting (the servers run this code)."""
     from ...config import PrefetchConfig
@@ -268,22 +278,25 @@ async def run_link_scenarios(
                     )
                 )
             ctx.progress.status("")
+            settle_ms: list[list[float]] = []
             for k, server in enumerate(servers):
                 # First-run costs off the measured requests, and the engine's prefill measured
-                # at a document's length (the cost policy's input): two fresh documents (each
-                # server its own), computed.  Their chunks are stored to Redis through the
-                # link; wait until they are there, so their writes do not share the link with
-                # the first measured loads.
+                # at a document's length (the cost policy's input): fresh documents (each
+                # server its own), computed, :data:`SETTLE_DOCS` of them.  Their chunks are
+                # stored to Redis through the link; wait until they are there, so their writes
+                # do not share the link with the first measured loads.
                 fresh = probe_prompts(
-                    2,
+                    SETTLE_DOCS,
                     opts.long_doc.doc_tokens,
                     opts.vocab,
                     opts.seed + 1 + 1000 * k,
                     opts.prompt_corpus,
                 )
                 await warm_up(ctx, server)
+                took = []
                 for prompt in fresh:
-                    await send_request(ctx, server, prompt, 1)
+                    took.append((await send_request(ctx, server, prompt, 1)).ttft_s * 1e3)
+                settle_ms.append(took)
                 await wait_in_redis(ctx, redis_url, fresh)
             stats = [WorkloadStats() for _ in servers]
             sent = [0] * len(servers)
@@ -330,6 +343,7 @@ async def run_link_scenarios(
             "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
             "redis_sent_bytes": sent[k],
             "trace": traces[k],
+            "settle_ms": settle_ms[k],
             **({"side_by_side": together} if together else {}),
         }
         for k, sc in enumerate(scenarios)

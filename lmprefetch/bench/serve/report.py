@@ -182,6 +182,8 @@ def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict
         "redis_sent_bytes": raw["redis_sent_bytes"],
         "external_hit_bytes": hit_bytes,
         "redis_sent_vs_hit_bytes": _ratio(float(raw["redis_sent_bytes"]), float(hit_bytes)),
+        # The measured server's fresh documents before the measured rounds (its pace settling).
+        "settle_ms": [round(x) for x in raw.get("settle_ms", [])],
     }
 
 
@@ -447,6 +449,13 @@ def format_report(summary: dict[str, Any]) -> str:
                 f"{e['redis_sent_bytes'] / (1 << 20):>8,.1f} MiB"
                 f"{_x(e['redis_sent_vs_hit_bytes']):>13}{_policy_counts(e['metrics']):>23}"
                 f"  {e['link']['mechanism']}" + _link_measured(e["link"])
+            )
+        settled = [(n, e["settle_ms"]) for n, e in links if e.get("settle_ms")]
+        if settled:
+            lines.append(
+                "  fresh documents computed first, TTFT ms (the prefill model's input, each "
+                "server's pace settling): "
+                + "; ".join(f"{n} {', '.join(f'{x:,}' for x in ms)}" for n, ms in settled)
             )
     tables = [(n, e) for n, e in links if e.get("decisions")]
     if tables:
