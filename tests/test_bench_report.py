@@ -324,6 +324,7 @@ def test_a_real_run_measures_each_limit_and_the_load() -> None:
                 "thread_hop_ms_max"):  # fmt: skip
         assert r[key] > 0, key
     assert r["disk_probe"]["raw_vs_verified_read"] > 0
+    assert r["disk_probe"]["held_vs_verified_read"] > 0
     assert r["cpus"] >= 1
     assert set(r["load_avg"]) == {"transport", "scheduler", "replay", "disk", "cancel"}
     by_key = {g["key"]: g for g in r["goals"]}
@@ -339,14 +340,20 @@ def test_the_disk_figure_is_the_median_of_the_rounds_ratios() -> None:
         return {
             "concurrency": 8, "chunks_per_lookup": 16, "prefetch_gbps": prefetch,
             "verified_read_gbps": verified, "raw_read_gbps": [2 * v for v in verified],
-            "reads_trusted": 5, "reads_hashed": 1,
+            "held_read_gbps": [1.5 * v for v in verified], "reads_trusted": 5, "reads_hashed": 1,
         }  # fmt: skip
 
     # Round by round: the load of one round hits both sides of it, so the ratio is per round.
     s = summarize_disk_probe([probe([1.0, 4.0, 2.0], [2.0, 4.0, 1.0]), probe([3.0], [1.0])])
     assert s["vs_verified_read"] == 1.5  # median of 0.5, 1, 2, 3
     assert s["vs_raw_read"] == 0.75
-    assert s["raw_vs_verified_read"] == 2.0  # the ratio's limit: the plain read, same rounds
+    assert s["raw_vs_verified_read"] == 2.0  # a plain read into one reused buffer
+    # the ratio's limit: a plain read into a buffer per chunk, as a lookup holds them
+    assert s["held_vs_verified_read"] == 1.5
+    assert s["held_read_gbps"] == 1.5 * (2.0 + 1.0)
+    r = _system_result(disk_probe=s)
+    limit = next(g for g in goals(r) if g.key == "disk_prefetch_vs_verified_read").limit
+    assert limit is not None and limit.value == 1.5
     assert s["prefetch_gbps"] == 2.0 + 3.0  # each worker's median, summed
     assert s["verified_read_gbps"] == 2.0 + 1.0
     assert (s["workers"], s["rounds"], s["reads_trusted"], s["reads_hashed"]) == (2, 3, 10, 2)
