@@ -305,3 +305,43 @@ def test_bench_serve_redis_link_scenarios_serve_every_hit_from_redis(tmp_path: P
         assert goals[key]["limit"] == 1.1
         assert (goals[key]["met"] is not None) is policy
     assert "Redis link scenarios" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.slow_link
+@needs_redis
+def test_bench_serve_side_by_side_serves_each_question_on_every_policys_server(
+    tmp_path: Path,
+) -> None:
+    """``--side-by-side`` (what ``tools/link_runs.py`` runs): the unthrottled link's scenarios
+    share one Redis fill, every measured question is sent to each policy's server, each
+    server computed its fresh documents first, and each server's figures are its own (the
+    hits of ``always`` all from Redis, counted on its requests alone)."""
+    from lmprefetch.bench.serve.link_scenario import SETTLE_DOCS, has_load_policy
+
+    if not has_load_policy():
+        pytest.skip("this lmprefetch has no load_policy setting")
+    names = ["fast_remote_always", "fast_remote_recompute", "fast_remote_cost"]
+    out = tmp_path / "result.json"
+    argv = [
+        sys.executable, "-m", "lmprefetch", "bench-serve", "--quick", "--no-progress", "--model",
+        "random", "--side-by-side", "--scenarios", ",".join(names), "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=3600, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["settings"]["side_by_side"] == [names]
+    scenarios = result["scenarios"]
+    requests = {scenarios[n]["requests"] for n in names}
+    assert len(requests) == 1 and requests.pop() >= 3  # every question on every server
+    for name in names:
+        entry = scenarios[name]
+        assert "error" not in entry, entry
+        assert len(entry["settle_ms"]) == SETTLE_DOCS, name
+        assert len(entry["decisions"]) == entry["requests"], name
+    always, never = scenarios["fast_remote_always"], scenarios["fast_remote_recompute"]
+    doc_tokens = result["settings"]["long_doc_qa"]["doc_tokens"]
+    assert always["hit_tokens"] == always["requests"] * doc_tokens
+    assert 1.0 <= always["redis_sent_vs_hit_bytes"] < 1.05
+    assert never["hit_tokens"] == 0 and never["redis_sent_bytes"] < doc_tokens * 4096
+    assert "Side by side (--side-by-side): " + " + ".join(names) in proc.stdout
