@@ -49,7 +49,7 @@ the tier keeps :class:`~lmprefetch.tiers.base.BaseTier`'s pin bookkeeping so
 reference on the buffer and queues it, or drops the write (and counts it) when the queue is full
 or the tier is backing off.  One writer task batches what is queued, copies the payloads out of
 the arena (releasing each buffer reference exactly once, in a ``finally``) and pipelines the SETs
-of the chunks Redis does not hold already (a pipelined ``TOUCH`` first, in the same thread: a
+of the chunks Redis does not hold already (a pipelined ``EXISTS`` first, in the same thread: a
 chunk computed again, because a load policy recomputed it or another engine stored it, is not
 sent over the link again; counted in ``stats.writes_skipped``).
 
@@ -81,6 +81,7 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import SSLConnection, parse_url
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from ..codec import ChunkStage, CodecMiss
@@ -141,8 +142,6 @@ class RedisPipeline(Protocol):
     def get(self, name: bytes) -> object: ...
 
     def set(self, name: bytes, value: bytes) -> object: ...
-
-    def touch(self, *names: bytes) -> object: ...
 
     def execute(self, raise_on_error: bool = True) -> list[Any]: ...
 
@@ -254,16 +253,19 @@ def _get_prefix(
 def _set_missing(
     client: RedisClient, items: Sequence[tuple[bytes, bytes]]
 ) -> tuple[list[bool], list[bool], BaseException | None, float]:
-    """Send the values Redis does not hold yet: a pipelined ``TOUCH`` of every name (which also
-    counts a chunk written again as used now, for Redis's eviction), then a pipelined ``SET`` of
-    the others.  Which are in Redis now, which of those it held already (not sent), the first
-    error, and the seconds the ``SET`` took (``0.0`` when nothing was sent)."""
+    """Send the values Redis does not hold yet: a pipelined ``EXISTS`` of every name, then a
+    pipelined ``SET`` of the others.  Which are in Redis now, which of those it held already
+    (not sent), the first error, and the seconds the ``SET`` took (``0.0`` when nothing was
+    sent)."""
     pipe = client.pipeline(transaction=False)
     for name, _ in items:
-        pipe.touch(name)
-    # A name whose TOUCH failed (a server or a user that refuses TOUCH) is sent.
-    held = [r is not None and not isinstance(r, BaseException) and bool(r)
-            for r in pipe.execute(raise_on_error=False)]  # fmt: skip
+        pipe.exists(name)
+    try:
+        answers = pipe.execute(raise_on_error=False)
+    except (redis.RedisError, RedisClusterException):
+        # Not answered: every value is sent (a failing server fails the SET too, reported).
+        answers = [0] * len(items)
+    held = [isinstance(r, int) and r > 0 for r in answers]
     ok = list(held)
     error: BaseException | None = None
     send = [i for i, h in enumerate(held) if not h]
