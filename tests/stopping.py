@@ -319,6 +319,10 @@ def cases(script: Sequence[str] | None = None) -> list[Case]:
         Case("bench-disk, burners", [*lmp, "bench-disk", "--quick", "--runs", "1",
                                      "--repeats", "3", "--lmcache", "off"],
              r"run 1/1 alone", term, False),
+        # The phase budget alone: the signal lands in its Trio run, beside the burners.
+        Case("bench-disk --budget-only, burners", [*lmp, "bench-disk", "--quick", "--runs",
+                                                   "1", "--budget-only"],
+             r"run 1/1 alone", intr, True),
     ]  # fmt: skip
     worker = [*lmp, "worker", "--request-endpoint", "ipc://@lmp-stop-{}-w",
               "--response-endpoint", "ipc://@lmp-stop-{}-s", "--metrics-port", "0"]  # fmt: skip

@@ -243,3 +243,24 @@ def test_the_suites_own_scratch_directories_go_with_its_process(code: str, tmp_p
                          timeout=120, check=False, env=env, cwd=root)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_trio_run_of_a_command_goes_through_stopping() -> None:
+    """A command's Trio runs go through ``_stopping.run_trio``, where a stop signal cancels
+    the run; a plain ``trio.run`` under the command's handlers gets the signal raised wherever
+    the main thread is, also inside Trio's own loop, and the run is abandoned with a screenful
+    of tracebacks (bench-disk's phase budget did, when a Ctrl-C landed in it on a busy
+    machine).  Only a worker process's own run may be plain: its entry point ignores SIGINT
+    and SIGTERM ends it (``_stopping.child_signals``)."""
+    import re
+
+    package = Path(stopping.__file__).resolve().parents[1] / "lmprefetch"
+    allowed = {package / "_stopping.py", package / "bench" / "processes.py"}
+    plain = [
+        f"{path.relative_to(package.parent)}:{n}"
+        for path in sorted(package.rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\btrio\.run\(", line)
+    ]
+    assert plain == []

@@ -273,9 +273,9 @@ def run(
             if len(chunks) >= disk_chunks:
                 break
             chunks += _Window(model, ids[:, w * span : (w + 1) * span], prefill, chunk_size).chunks
-        import trio
+        from .. import _stopping
 
-        report.disk_hits = trio.run(
+        report.disk_hits = _stopping.run_trio(
             partial(disk_hits, chunks[:disk_chunks], disk_hit, disk_rounds, chunk_size)
         )
     return report

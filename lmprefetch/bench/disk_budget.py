@@ -32,7 +32,6 @@ import contextlib
 import mmap
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ from typing import Any
 import trio
 import trio.testing
 
+from .. import _stopping
 from .._phases import Phases, perf_counter
 
 __all__ = ["PHASES", "attribute", "format_budget", "measure"]
@@ -342,8 +342,12 @@ def measure(
 ) -> dict[str, Any]:
     """The phase budget of one disk hit, of eight concurrent ones and of a cancelled one, with
     the floors (see the module docstring), in a fresh Trio run over a temporary directory."""
-    with tempfile.TemporaryDirectory(prefix="lmprefetch-budget-") as tmp:
-        return trio.run(_measure, chunks, chunk_bytes, repeats, x8_repeats, cancel_repeats, tmp)
+    with _stopping.temporary_directory(prefix="lmprefetch-budget-") as tmp:
+        # Through _stopping: a SIGINT or SIGTERM cancels the run (one line, nothing left),
+        # instead of being raised somewhere inside Trio's loop.
+        return _stopping.run_trio(
+            _measure, chunks, chunk_bytes, repeats, x8_repeats, cancel_repeats, tmp
+        )
 
 
 def _phase_rows(c: dict[str, Any]) -> list[str]:
