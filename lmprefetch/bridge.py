@@ -94,6 +94,8 @@ class Request(msgspec.Struct, frozen=True, gc=False):
     deadline_ms: int
     #: The tenant's salt for hashing (and naming the tenant), or ``None``.
     salt: bytes | None
+    #: The request's own load policy (a built-in one's name), or ``""``: the workers'.
+    load_policy: str = ""
 
 
 class Cleanup(msgspec.Struct, frozen=True, gc=False):
@@ -407,6 +409,7 @@ class Bridge:
                 skip_chunks=min(cmd.skip_tokens // self._chunk_size, len(hashes)),
                 # The tenant for encryption at rest: a digest of the salt, never the salt.
                 tenant=tenant_id(cmd.salt),
+                load_policy=cmd.load_policy,
             )
             buf = encode(msg)
         except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:

@@ -49,6 +49,7 @@ from typing import Any
 from ._stats import as_dict, snapshot
 from .bridge import Bridge, Cleanup, ClientCounters, Entry, Request, ResultTable, Stop
 from .config import PrefetchConfig
+from .config_checks import LOAD_POLICIES
 from .transport import check_endpoint
 
 __all__ = ["ClientStatistics", "LookupClient", "LookupClientError"]
@@ -128,6 +129,7 @@ class LookupClient:
         hashes: list[int] | None = None,
         offsets: list[int] | None = None,
         salt: bytes | None = None,
+        load_policy: str = "",
     ) -> int | None:
         """How many leading tokens of this prompt the workers have ready; never blocks.
 
@@ -158,12 +160,16 @@ class LookupClient:
                 and the request names the tenant (a digest of the salt) for workers that
                 encrypt per tenant.  With ``hashes`` given the prompt is not hashed (salt
                 those yourself), but the salt still names the tenant.
+            load_policy: this prompt's load policy on every worker, a built-in policy's
+                name (``"always"``, ``"never"``, ``"cost"``); ``""``: each worker's
+                configured ``load_policy``.
 
         Raises:
             LookupClientError: the bridge thread died (see its ``__cause__``).
             RuntimeError: the client is closed.
             ValueError: ``skip_tokens`` is negative, or only one of ``hashes`` / ``offsets``
-                is given, or they differ in length.
+                is given, or they differ in length, or ``load_policy`` names no built-in
+                policy.
         """
         if self._table.failure is not None:
             self._raise_failure()
@@ -176,7 +182,7 @@ class LookupClient:
                 return None
             return self._expire(lookup_id, e)
         return self._submit(
-            lookup_id, token_ids, skip_tokens, request_configs, hashes, offsets, salt
+            lookup_id, token_ids, skip_tokens, request_configs, hashes, offsets, salt, load_policy
         )
 
     def cancel(self, lookup_id: str) -> None:
@@ -332,9 +338,14 @@ class LookupClient:
         hashes: list[int] | None,
         offsets: list[int] | None,
         salt: bytes | None = None,
+        load_policy: str = "",
     ) -> int | None:
         if skip_tokens < 0:
             raise ValueError(f"skip_tokens: must be >= 0, got {skip_tokens}")
+        if load_policy and load_policy not in LOAD_POLICIES:
+            raise ValueError(
+                f"load_policy: must be one of {LOAD_POLICIES} or empty, got {load_policy!r}"
+            )
         if hashes is None:
             if offsets is not None:
                 raise ValueError("offsets: give hashes with them")
@@ -369,6 +380,7 @@ class LookupClient:
                 offsets=offsets,
                 deadline_ms=deadline_ms,
                 salt=salt,
+                load_policy=load_policy,
             )
             if hashes is None:
                 self._table.post(cmd)

@@ -7,9 +7,11 @@ the engine's table of lookups what it decided.  Read one lookup in this order:
 1. :meth:`LookupIO.start` builds ``cum_tokens`` from ``(hashes, offsets)`` (``cum_tokens[i]``
    is the number of tokens in the first ``i`` chunks), starts the record, and answers at once
    what needs no tier: a request that makes no sense, a deadline already passed, a closed
-   engine.  A policy that decides before probing (:class:`~lmprefetch.policy.Decides`) is
-   asked here; its answer bounds the chunks probed (``never``: none, so the lookup answers at
-   once).
+   engine, a ``load_policy`` that names no built-in policy.  The lookup's policy is the
+   configured one, or the built-in one the request names (``load_policy``: a request's own
+   choice, e.g. from vLLM's ``kv_transfer_params``; each is built once per engine).  A policy
+   that decides before probing (:class:`~lmprefetch.policy.Decides`) is asked here; its
+   answer bounds the chunks probed (``never``: none, so the lookup answers at once).
 2. When memory can answer (:meth:`LookupIO._hits_in_memory`: the CPU tier holds the prompt, or
    a prefix after which every other tier rules itself out without I/O), probing is a
    dictionary walk and loading is taking owner references on the cached buffers, so the
@@ -50,8 +52,9 @@ The ``Dnn`` codes are LMCache's defects, the rows of the defect table in
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Final, cast
 
@@ -66,11 +69,13 @@ from .lookup_notes import TraceRecords, _Notes
 from .lookup_parts import Pairs, _Part, _Pins, _release_pairs
 from .memory import Arena, Buffer
 from .policy import (
+    BUILTIN_POLICIES,
     Decides,
     HitPart,
     LoadPolicy,
     LoadRequest,
     PrefillModel,
+    make_policy,
     when_decides,
 )
 from .tiers.base import TenantTier, Tier, ZeroCopyTier
@@ -88,6 +93,17 @@ LOAD_BATCHES: Final = 8
 #: ... and this many of them in flight at once.
 LOAD_DEPTH: Final = 3
 
+
+@dataclass(frozen=True, slots=True)
+class _PolicyUse:
+    """A load policy as lookups use it, read once: whether it decides before probing, its
+    ``worth_probing`` (asked before each tier that is not zero-copy is probed; ``None`` when
+    it has none or decides first), and the trace records naming it."""
+
+    policy: LoadPolicy
+    decides_first: bool
+    worth_probing: Callable[[LoadRequest], bool] | None
+    records: TraceRecords
 
 
 class LookupIO:
@@ -137,21 +153,24 @@ class LookupIO:
         self._per_tenant = frozenset(id(t) for t in tiers if getattr(t, "per_tenant", False))
         self._other_tiers = tuple(t for t in tiers if t is not cpu)
         self._limiter = limiter
-        #: The load policy, and whether it decides before probing (read once).
+        #: The configured load policy.
         self.policy = policy
-        self._decides_first = when_decides(policy) is Decides.BEFORE_PROBING
-        #: The policy's ``worth_probing`` (asked before each tier that is not zero-copy is
-        #: probed), or ``None``.
-        self._worth_probing = (
-            None if self._decides_first else getattr(policy, "worth_probing", None)
-        )
         self._prefill = prefill
+        self._tiers_by_name = {t.name: t for t in tiers}
         self._lookups = lookups
         self._nursery = nursery
         self._kpc = config.keys_per_chunk
         self._calls_per_part = 1 if config.load_deadline_s is None else LOAD_BATCHES
         self._trace = trace if trace is not None else DecisionTrace()
-        self._records = TraceRecords(self._trace, policy, prefill, {t.name: t for t in tiers})
+        #: The policies lookups use, by the name a request gives (``""``: the configured one;
+        #: a built-in policy a request names is built on first use, and kept: a policy may
+        #: learn from its decisions, as ``cost``'s hysteresis does).
+        configured = self._use_of(policy)
+        self._uses: dict[str, _PolicyUse] = {"": configured}
+        if config.load_policy in BUILTIN_POLICIES and type(policy) is type(
+            make_policy(config.load_policy)
+        ):
+            self._uses[config.load_policy] = configured
         #: Background measurements of tiers: dropped chunks loaded as a lookup's would be.
         self._calibrations = Calibrations(
             nursery=nursery, load=self._load_part, kpc=self._kpc,
@@ -159,6 +178,23 @@ class LookupIO:
         )  # fmt: skip
         #: Set when the engine closes: new lookups answer 0.
         self.closed = False
+
+    def _use_of(self, policy: LoadPolicy) -> _PolicyUse:
+        first = when_decides(policy) is Decides.BEFORE_PROBING
+        return _PolicyUse(
+            policy,
+            first,
+            None if first else getattr(policy, "worth_probing", None),
+            TraceRecords(self._trace, policy, self._prefill, self._tiers_by_name),
+        )
+
+    def _policy_use(self, name: str) -> _PolicyUse | None:
+        """The policy a lookup names (``""``: the configured one), or ``None`` for a name
+        that is not a built-in policy's (a request never makes the engine import code)."""
+        use = self._uses.get(name)
+        if use is None and name in BUILTIN_POLICIES:
+            use = self._uses[name] = self._use_of(make_policy(name))
+        return use
 
     # -- 1. the request ---------------------------------------------------------------
     def start(
@@ -172,6 +208,7 @@ class LookupIO:
         deadline: float | None,
         skip_chunks: int,
         tenant: bytes = b"",
+        load_policy: str = "",
     ) -> _Lookup:
         """See :meth:`Engine.start_lookup <lmprefetch.prefetch.Engine.start_lookup>`."""
         started = trio.current_time()
@@ -182,8 +219,10 @@ class LookupIO:
             old.cancel()
         rec = lookups.start(lookup_id, seq, on_answer, started)
         n_chunks = len(hashes)
+        use = self._policy_use(load_policy)
         if (
-            len(offsets) != n_chunks
+            use is None
+            or len(offsets) != n_chunks
             or not 0 <= skip_chunks <= n_chunks
             or (n_chunks and min(offsets) <= 0)
         ):
@@ -205,7 +244,7 @@ class LookupIO:
             return rec
         skipped_tokens = sum(offsets[:skip_chunks]) if skip_chunks else 0
         end = n_chunks  # the chunks this lookup may probe and load, skipped ones included
-        if self._decides_first:
+        if use.decides_first:
             request = LoadRequest(
                 parts=(),
                 chunk_tokens=tuple(offsets[skip_chunks:] if skip_chunks else offsets),
@@ -213,18 +252,18 @@ class LookupIO:
                 prompt_tokens=prompt_tokens,
                 prefill=self._prefill,
             )
-            end = skip_chunks + self._ask_policy(request)
+            end = skip_chunks + self._ask_policy(request, use.policy)
             if end == skip_chunks:  # load nothing: probe nothing, hold nothing
                 lookups.note_decision(n_chunks - skip_chunks, 0)
                 rec.end(skipped_tokens)
                 if notes is not None:
                     cum = [0, *accumulate(offsets)]
-                    self._records.emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
+                    use.records.emit(notes, lookup_id, cum, skip_chunks, 0, 0, skipped_tokens)
                 return rec
 
         ruled_out: frozenset[Tier] = frozenset()
-        if self._worth_probing is not None:
-            ruled_out = self._not_worth_probing(hashes, offsets, skip_chunks, end)
+        if use.worth_probing is not None:
+            ruled_out = self._not_worth_probing(use, hashes, offsets, skip_chunks, end)
             if ruled_out:
                 lookups.note_unprobed()
                 if notes is not None:
@@ -234,8 +273,9 @@ class LookupIO:
         held = self._hits_in_memory(hashes, skip_chunks, end, ruled_out)
         if held is not None:
             found = keep = len(held) // self._kpc
-            if found and not self._decides_first:
+            if found and not use.decides_first:
                 keep = self._decide(
+                    use,
                     [(self._cpu, found, True)],
                     offsets[skip_chunks : skip_chunks + found],
                     skipped_tokens,
@@ -255,7 +295,7 @@ class LookupIO:
                     notes.parts = self._hit_parts([(self._cpu, found, True)])
                     notes.decided = started
                 cum = [0, *accumulate(offsets)]
-                self._records.emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
+                use.records.emit(notes, lookup_id, cum, skip_chunks, found, keep, hit_tokens)
             return rec
 
         # -- 3. a task probes and loads ---------------------------------------------------
@@ -266,19 +306,24 @@ class LookupIO:
         keys = self._keys.keys(hashes if end == n_chunks else hashes[:end])
         self._nursery.start_soon(
             self._run, rec, rec.run_in_task(), keys, cum, skip_chunks, deadline, notes, ruled_out,
-            tenant,
+            tenant, use,
             name=f"lookup:{lookup_id}",
         )  # fmt: skip
         return rec
 
     def _not_worth_probing(
-        self, hashes: Sequence[int], offsets: Sequence[int], skip_chunks: int, end: int
+        self,
+        use: _PolicyUse,
+        hashes: Sequence[int],
+        offsets: Sequence[int],
+        skip_chunks: int,
+        end: int,
     ) -> frozenset[Tier]:
         """The tiers the policy's ``worth_probing`` rules out for this lookup, each asked with
         the chunks the CPU tier holds (free, found without I/O) and one hypothetical part: the
         tier holding every further chunk up to ``end``.  A ``worth_probing`` that raises is
         logged and rules nothing out."""
-        worth_probing = self._worth_probing
+        worth_probing = use.worth_probing
         assert worth_probing is not None
         cpu, first_key = self._cpu, self._keys.first_key
         in_cpu = skip_chunks
@@ -306,7 +351,7 @@ class LookupIO:
             try:
                 worth = bool(worth_probing(request))
             except Exception:
-                log.exception("load policy %r: worth_probing failed; probing", self.policy)
+                log.exception("load policy %r: worth_probing failed; probing", use.policy)
                 worth = True
             if not worth:
                 out.append(tier)
@@ -364,6 +409,7 @@ class LookupIO:
         notes: _Notes | None,
         ruled_out: frozenset[Tier],
         tenant: bytes,
+        use: _PolicyUse,
     ) -> None:
         """A lookup that needs I/O, start to end: everything it takes is owned by ``owned``
         until the contiguous prefix moves to the record."""
@@ -373,7 +419,7 @@ class LookupIO:
             with scope, ExitStack() as owned:
                 try:
                     total, loaded, sources, found, keep = await self._probe_and_load(
-                        keys, cum, skip_chunks, deadline, owned, notes, ruled_out, tenant
+                        keys, cum, skip_chunks, deadline, owned, notes, ruled_out, tenant, use
                     )
                 except Exception:
                     # Not a tier's failure (those end the prefix inside): a bug, said loudly.
@@ -390,7 +436,7 @@ class LookupIO:
             # answers here (0 once cancelled); one that holds answered above.
             rec.end(cum[chunks])
             if notes is not None:
-                self._records.emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
+                use.records.emit(notes, rec.lookup_id, cum, skip_chunks, found, keep, rec.answer)
 
     async def _probe_and_load(
         self,
@@ -402,6 +448,7 @@ class LookupIO:
         notes: _Notes | None = None,
         ruled_out: frozenset[Tier] = frozenset(),
         tenant: bytes = b"",
+        use: _PolicyUse | None = None,
     ) -> tuple[int, Pairs, tuple[tuple[str, int], ...], int, int]:
         """Probe the tiers, run their loads, keep the contiguous prefix: its chunk count (with
         ``skip_chunks``), its ``(key, buffer)`` pairs (which the caller now owns), the
@@ -414,7 +461,9 @@ class LookupIO:
         loads still running are cancelled: the prefix loaded by then is kept, and the cut is
         counted."""
         kpc = self._kpc
-        load_at_once = self._decides_first
+        if use is None:
+            use = self._uses[""]
+        load_at_once = use.decides_first
         n_chunks = len(keys) // kpc
         next_chunk = skip_chunks
         parts: list[_Part] = []
@@ -485,6 +534,7 @@ class LookupIO:
                     notes.decided = trio.current_time()
                 if found and not load_at_once:
                     keep = self._decide(
+                        use,
                         [(p.tier, p.n_chunks, p.zero_copy) for p in parts],
                         [cum[i + 1] - cum[i] for i in range(skip_chunks, next_chunk)],
                         cum[skip_chunks],
@@ -530,6 +580,7 @@ class LookupIO:
     # -- the policy ---------------------------------------------------------------------
     def _decide(
         self,
+        use: _PolicyUse,
         parts: Sequence[tuple[Tier, int, bool]],
         chunk_tokens: Sequence[int],
         computed_tokens: int,
@@ -545,7 +596,8 @@ class LookupIO:
                 computed_tokens=computed_tokens,
                 prompt_tokens=prompt_tokens,
                 prefill=self._prefill,
-            )
+            ),
+            use.policy,
         )
 
     def _hit_parts(self, parts: Sequence[tuple[Tier, int, bool]]) -> tuple[HitPart, ...]:
@@ -557,10 +609,9 @@ class LookupIO:
             for t, n, zc in parts
         )
 
-    def _ask_policy(self, request: LoadRequest) -> int:
-        """The policy's answer to ``request``, clamped to ``[0, request.hit_chunks]``; the
+    def _ask_policy(self, request: LoadRequest, policy: LoadPolicy) -> int:
+        """``policy``'s answer to ``request``, clamped to ``[0, request.hit_chunks]``; the
         whole hit when the policy raises (logged)."""
-        policy = self.policy
         n = len(request.chunk_tokens)
         try:
             keep = int(policy.chunks_to_load(request))

@@ -193,6 +193,7 @@ class Engine:
         deadline: float | None = None,
         skip_chunks: int = 0,
         tenant: bytes = b"",
+        load_policy: str = "",
     ) -> _Lookup:
         """Start a lookup and return its record at once.
 
@@ -213,6 +214,10 @@ class Engine:
             tenant: the request's tenant (:func:`~lmprefetch.codec.tenant_id` of its salt;
                 ``b""``: the shared name space): with encryption on, chunks are opened with
                 this tenant's key, and another tenant's chunk is a miss.
+            load_policy: the load policy for this lookup: ``""`` (the configured
+                ``load_policy``) or a built-in one's name (``"always"``, ``"never"``,
+                ``"cost"``; see :mod:`lmprefetch.policy`).  Any other name is a malformed
+                request: it answers 0.
 
         Returns:
             The lookup's record (its :attr:`~lmprefetch.lookup._Lookup.state` tells how far
@@ -227,6 +232,7 @@ class Engine:
             deadline=deadline,
             skip_chunks=skip_chunks,
             tenant=tenant,
+            load_policy=load_policy,
         )
 
     async def lookup_and_prefetch(
@@ -239,6 +245,7 @@ class Engine:
         deadline: float | None = None,
         skip_chunks: int = 0,
         tenant: bytes = b"",
+        load_policy: str = "",
     ) -> int:
         """Look up, prefetch, and return the hit-token count once the loads are done.
 
@@ -268,6 +275,7 @@ class Engine:
             deadline=deadline,
             skip_chunks=skip_chunks,
             tenant=tenant,
+            load_policy=load_policy,
         )
         try:
             await done.wait()

@@ -16,7 +16,8 @@ with defaults, so either side can talk to the other:
 message                    fields (LMCache's first, then lmprefetch's extensions)
 =========================  ==================================================================
 ``LookupRequestMsg``       ``lookup_id``, ``hashes``, ``offsets``, ``request_configs``;
-                           ext ``seq``, ``deadline_ms``, ``skip_chunks``, ``tenant``
+                           ext ``seq``, ``deadline_ms``, ``skip_chunks``, ``tenant``,
+                           ``load_policy``
 ``LookupResponseMsg``      ``lookup_id``, ``num_hit_tokens``; ext ``seq``, ``worker_id``,
                            ``tier_tokens``
 ``LookupCleanupMsg``       ``lookup_id``; ext ``seq``
@@ -55,8 +56,11 @@ from typing import Annotated, Final, TypeAlias
 
 import msgspec
 
+from .config_checks import LOAD_POLICIES
+
 __all__ = [
     "INT64_MAX",
+    "LOAD_POLICIES",
     "MAX_CHUNK_TOKENS",
     "MAX_TENANT_BYTES",
     "LookupCleanupMsg",
@@ -117,6 +121,10 @@ class LookupRequestMsg(LookupMsg):
     #: :data:`MAX_TENANT_BYTES`), for workers that encrypt chunks per tenant; ``b""``: the
     #: shared name space.
     tenant: bytes = b""
+    #: The load policy for this lookup: one of :data:`LOAD_POLICIES` (a request's own
+    #: ``load_policy``, e.g. vLLM's ``kv_transfer_params``), or ``""``: the worker's
+    #: configured ``load_policy``.
+    load_policy: str = ""
 
 
 class LookupResponseMsg(LookupMsg):
@@ -207,8 +215,9 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
         ``None`` for a sane request, else a sentence saying what is wrong: ``hashes`` and
         ``offsets`` differ in length, an offset is not a token count of 1 … 2**32-1, the
         tokens add up to more than 2**63-1 (the answer could not be encoded),
-        ``skip_chunks`` is negative or larger than the number of chunks, or ``tenant`` is
-        longer than :data:`MAX_TENANT_BYTES`.
+        ``skip_chunks`` is negative or larger than the number of chunks, ``tenant`` is
+        longer than :data:`MAX_TENANT_BYTES`, or ``load_policy`` is neither ``""`` nor one
+        of :data:`LOAD_POLICIES` (a request never makes a worker import code).
     """
     n = len(msg.hashes)
     if n != len(msg.offsets):
@@ -227,4 +236,6 @@ def validate_request(msg: LookupRequestMsg) -> str | None:
         )
     if len(msg.tenant) > MAX_TENANT_BYTES:
         return f"tenant must be at most {MAX_TENANT_BYTES} bytes, got {len(msg.tenant)}"
+    if msg.load_policy and msg.load_policy not in LOAD_POLICIES:
+        return f"load_policy must be one of {LOAD_POLICIES} or empty, got {msg.load_policy!r}"
     return None

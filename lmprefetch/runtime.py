@@ -347,13 +347,19 @@ class WorkerRuntime:
         *,
         skip_chunks: int = 0,
         tenant: bytes = b"",
+        load_policy: str = "",
     ) -> int:
         """Blocking :meth:`Engine.lookup_and_prefetch` (for in-process use without sockets)."""
         portal, engine = self._running()
 
         async def run() -> int:
             return await engine.lookup_and_prefetch(
-                lookup_id, hashes, offsets, skip_chunks=skip_chunks, tenant=tenant
+                lookup_id,
+                hashes,
+                offsets,
+                skip_chunks=skip_chunks,
+                tenant=tenant,
+                load_policy=load_policy,
             )
 
         return int(portal.call(run))

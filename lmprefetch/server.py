@@ -192,6 +192,7 @@ class LookupServer:
             deadline=deadline,
             skip_chunks=msg.skip_chunks,
             tenant=msg.tenant,
+            load_policy=msg.load_policy,
         )
 
     # -- sending (the send task owns the answer socket) ---------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 import zmq
@@ -119,7 +120,7 @@ class Peer:
     def send(self, data: bytes) -> None:
         self.push.send(data)
 
-    def request(self, lookup_id: str, hashes: list[int], **kw: int) -> None:
+    def request(self, lookup_id: str, hashes: list[int], **kw: Any) -> None:
         self.send(encode(LookupRequestMsg(lookup_id, hashes, [CHUNK] * len(hashes), **kw)))
 
     async def answer(self, timeout_s: float = 5.0) -> LookupResponseMsg:

@@ -212,7 +212,24 @@ def test_lookup_argument_errors(cluster: Cluster) -> None:
         client.lookup("a", None, hashes=[1], offsets=[4, 4])
     with pytest.raises(ValueError, match="offsets"):
         client.lookup("a", tokens(1), offsets=[4])
+    with pytest.raises(ValueError, match=r"^load_policy: must be one of .* got 'x:Y'$"):
+        client.lookup("a", tokens(1), load_policy="x:Y")
     assert client.statistics().submitted == 0
+
+
+@pytest.mark.parametrize("precomputed", [False, True], ids=["hashed", "precomputed"])
+def test_a_lookups_own_load_policy_reaches_every_worker(
+    cluster: Cluster, precomputed: bool
+) -> None:
+    client, workers = cluster(2)
+    if precomputed:
+        client.lookup("p", None, hashes=[7], offsets=[4], load_policy="always")
+    else:
+        client.lookup("p", tokens(2), load_policy="always")
+    client.lookup("q", tokens(2))
+    for w in workers:
+        assert w.recv_request().load_policy == "always"
+        assert w.recv_request().load_policy == ""  # the workers' own
 
 
 def test_tokens_appended_after_submit_are_not_hashed(cluster: Cluster) -> None:

@@ -509,6 +509,42 @@ async def test_never_answers_the_skipped_prefix_without_probing(
         assert_conserved(eng)
 
 
+async def test_a_lookup_may_name_a_built_in_policy_of_its_own(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A lookup's ``load_policy`` (a request's ``kv_transfer_params``) overrides the engine's
+    for that lookup alone: ``never`` probes nothing, ``always`` loads the whole hit on an
+    engine whose ``cost`` would recompute it, and a name no built-in policy has is a malformed
+    request (a request never makes the engine import code)."""
+    slow = _slow()
+    config = policy_config(load_policy="cost", prefill_tokens_per_s=1e9)  # recomputing: free
+    async with engine_with(config, slow) as eng:
+        data = policy_data(4, 1)
+        hashes = await put_in(slow, eng, policy_prompt(4, 1), data)
+        assert await eng.lookup_and_prefetch("n", hashes, [CS] * 4, load_policy="never") == 0
+        assert slow.keys_probed == 0
+        got_all = await eng.lookup_and_prefetch("a", hashes, [CS] * 4, load_policy="always")
+        assert got_all == 4 * CS
+        assert eng.lookup_tier_tokens("a") == (("slow", 4 * CS),)
+        with eng.claim("a") as got:
+            assert [bytes(b.view()) for _, b in got] == data
+        # The configured policy, by default and by name (one instance: its hysteresis is
+        # the engine's), now that the load above measured the tier: recompute.
+        loads = slow.loads_started
+        assert await eng.lookup_and_prefetch("c", hashes, [CS] * 4) == 0
+        assert await eng.lookup_and_prefetch("k", hashes, [CS] * 4, load_policy="cost") == 0
+        assert slow.loads_started == loads
+        for bad in ("os:system", "Always"):
+            assert await eng.lookup_and_prefetch(bad, hashes, [CS] * 4, load_policy=bad) == 0
+        lookups = eng.statistics().lookups
+        assert lookups.malformed == 2
+        assert lookups.policy_loaded == 1
+        assert lookups.policy_skipped == 1  # never
+        assert lookups.policy_unprobed == 2  # cost: the measured tier is too slow to probe
+        await eng.wait_quiet()
+        assert_conserved(eng)
+
+
 async def test_a_custom_policy_decides(autojump_clock: trio.abc.Clock) -> None:
     slow = _slow()
     async with engine_with(policy_config(load_policy="tests.test_policy:HalfPolicy"), slow) as eng:

@@ -152,8 +152,8 @@ def _map_keys(buf: bytes) -> list[str]:
 
 def test_byte_layout() -> None:
     req = encode(LookupRequestMsg("r", [1], [256]))
-    # fixmap of 9 entries, then the fixstr key "type" and the fixstr class name.
-    assert req[0] == 0x80 | 9
+    # fixmap of 10 entries, then the fixstr key "type" and the fixstr class name.
+    assert req[0] == 0x80 | 10
     assert req[1:6] == b"\xa4type"
     assert req[6:7] == bytes([0xA0 | len("LookupRequestMsg")])
     assert req[7:23] == b"LookupRequestMsg"
@@ -167,6 +167,7 @@ def test_byte_layout() -> None:
         "deadline_ms",
         "skip_chunks",
         "tenant",
+        "load_policy",
     ]
 
     resp = encode(LookupResponseMsg("r", 1))
@@ -221,6 +222,39 @@ def test_validate_request(
     else:
         assert error is not None
         assert problem in error
+
+
+@pytest.mark.parametrize(
+    ("policy", "problem"),
+    [
+        ("", None),
+        ("always", None),
+        ("never", None),
+        ("cost", None),
+        ("Cost", "load_policy must be one of"),
+        ("os:system", "load_policy must be one of"),  # a request never names code to import
+    ],
+)
+def test_a_request_names_a_built_in_load_policy_or_none(policy: str, problem: str | None) -> None:
+    error = validate_request(LookupRequestMsg("r", [1], [256], load_policy=policy))
+    if problem is None:
+        assert error is None
+    else:
+        assert error is not None
+        assert problem in error
+        assert repr(policy) in error
+
+
+def test_a_request_s_load_policy_round_trips() -> None:
+    msg = decode_worker_message(encode(LookupRequestMsg("r", [1], [256], load_policy="cost")))
+    assert isinstance(msg, LookupRequestMsg)
+    assert msg.load_policy == "cost"
+    # A client that does not know the field (LMCache's, an older lmprefetch): the configured.
+    old = msgspec.msgpack.encode({"type": "LookupRequestMsg", "lookup_id": "r", "hashes": [1],
+                                  "offsets": [256], "request_configs": None})  # fmt: skip
+    msg = decode_worker_message(old)
+    assert isinstance(msg, LookupRequestMsg)
+    assert msg.load_policy == ""
 
 
 @pytest.mark.parametrize("decode", [decode_worker_message, decode_response])

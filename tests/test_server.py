@@ -318,3 +318,22 @@ async def test_skipped_chunks_count_as_hits_on_the_wire(config: PrefetchConfig) 
             with engine.claim("known") as chunks:
                 assert len(chunks) == 2  # chunks 1 and 2: the skipped one is not loaded
             assert engine.is_idle()
+
+
+async def test_a_requests_own_load_policy_is_the_lookups(config: PrefetchConfig) -> None:
+    """``load_policy`` on the wire: ``never`` answers without loading what the configured
+    ``always`` would load; a name no built-in policy has is malformed, answered 0."""
+    with trio.fail_after(10):
+        async with served(config) as (engine, server, peer):
+            toks = list(range(12))
+            hashes = engine.hasher.hash(toks)
+            await engine.store(toks, [b"x" * 8] * 3)
+            peer.request("never", hashes, load_policy="never")
+            assert (await peer.answer()).num_hit_tokens == 0
+            peer.request("own", hashes, load_policy="pkg.mod:Class")
+            assert (await peer.answer()).num_hit_tokens == 0
+            assert server.statistics().messages_malformed == 1
+            peer.request("configured", hashes)
+            assert (await peer.answer()).num_hit_tokens == 12
+            engine.cancel("configured")
+            assert engine.is_idle()

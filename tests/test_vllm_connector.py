@@ -1174,7 +1174,9 @@ def test_max_load_tokens_caps_the_load_on_the_scheduler_and_the_workers(
 
 
 @pytest.mark.parametrize(
-    "params", [{"max_load_tokens": 0}, {"skip_load": True}], ids=["max_load_tokens-0", "skip"]
+    "params",
+    [{"max_load_tokens": 0}, {"skip_load": True}, {"load_policy": "never"}],
+    ids=["max_load_tokens-0", "skip", "policy-never"],
 )
 def test_a_request_can_ask_to_load_nothing(make_harness: Any, params: dict[str, Any]) -> None:
     h = make_harness()
@@ -1200,6 +1202,52 @@ def test_bad_load_params_are_ignored_with_a_warning(
     assert "skip_load must be true or false" in caplog.text
     h.run_until_finished("bad")
     assert_worker_idle(h.wait_worker_quiet())
+
+
+def test_a_request_names_its_own_built_in_load_policy(
+    make_harness: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kv_transfer_params`` ``load_policy``: the request's lookup on every worker runs
+    that built-in policy instead of the configured one (here a custom policy loading half
+    the hit); a name that is not a built-in policy's is ignored, with a warning."""
+    h = make_harness(extra={"load_policy": "tests.test_policy:HalfPolicy"})
+    cases = [
+        ("configured", None, CHUNK),  # half of 3 chunks, rounded down
+        ("always", {"load_policy": "always"}, 3 * CHUNK),
+        ("cost", {"load_policy": "cost"}, 3 * CHUNK),  # (not calibrated yet: it loads all)
+        ("import", {"load_policy": "os:system"}, CHUNK),
+    ]
+    for seed, (name, params, hit) in enumerate(cases):
+        prompt = _stored(h, 50 + seed)
+        h.add(name, prompt, **({} if params is None else {"kv_transfer_params": params}))
+        assert h.wait_answer(name) == hit, name
+        h.run_until_finished(name)
+    assert "load_policy must be one of ('always', 'never', 'cost'), got 'os:system'" in caplog.text
+    stats = h.wait_worker_quiet()
+    assert_worker_idle(stats)
+    assert stats.engine.lookups.malformed == 0  # the scheduler side never sent the bad name
+
+
+def test_a_request_can_ask_not_to_be_saved(
+    make_harness: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kv_transfer_params`` ``skip_save``: none of the request's chunks are saved (a later
+    request with the same prompt misses), while it is still looked up; a value that is not a
+    bool is ignored, with a warning."""
+    h = make_harness()
+    prompt = tokens_of(44, 100)
+    h.add("private", prompt, kv_transfer_params={"skip_save": True})
+    assert h.wait_answer("private") == 0
+    h.run_until_finished("private")
+    stats = h.wait_worker_quiet()
+    assert stats.engine.store.chunks_stored == 0
+    assert h.statistics.save_skipped == 1
+    h.add("again", prompt, kv_transfer_params={"skip_save": "yes"})
+    assert h.wait_answer("again") == 0  # nothing was kept
+    assert "skip_save must be true or false" in caplog.text
+    h.run_until_finished("again")
+    assert h.wait_worker_quiet().engine.store.chunks_stored == 3  # saved: the bad value ignored
+    assert h.statistics.save_skipped == 1
 
 
 def test_load_policy_never_looks_nothing_up(make_harness: Any) -> None:

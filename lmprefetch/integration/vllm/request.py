@@ -137,6 +137,8 @@ class ConnectorRequest:
         salt: its tenant's name space (:mod:`.tenancy`), ``None`` for the shared one.
         max_load_tokens: its cap on the tokens loaded past vLLM's own hit (whole blocks), or
             ``None``.
+        load_policy: its own load policy (``kv_transfer_params``), a built-in one's name, or
+            ``""``: the workers' configured one.
     """
 
     def __init__(
@@ -148,11 +150,13 @@ class ConnectorRequest:
         save_ok: bool,
         salt: bytes | None = None,
         max_load_tokens: int | None = None,
+        load_policy: str = "",
     ) -> None:
         self.request = request
         self.load_ok = load_ok
         self.save_ok = save_ok
         self.max_load_tokens = max_load_tokens
+        self.load_policy = load_policy
         self._ctx = ctx
         self._groups = ctx.groups
         self._cs = ctx.hasher.chunk_size
@@ -267,6 +271,7 @@ class ConnectorRequest:
             offsets=[min(cs, n - c * cs) for _, c in sub.entries],  # tokens per key's chunk
             # (every chunk is whole but a legacy request's last: answers count its tokens)
             salt=self._salt,  # (hashed already: it names the tenant, for encryption)
+            load_policy=self.load_policy,
         )
         sub.sent = True
         self._ctx.statistics.group_lookups += 1

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ...config import PrefetchConfig
+from ...config_checks import LOAD_POLICIES
 from ...events import KVEvent, RankEventMerger
 from ...hashing import ChunkHasher
 from .config import _world_size, endpoint_names, kv_events_wanted
@@ -38,6 +39,8 @@ log = logging.getLogger("lmprefetch.integration.vllm")
 #: ``kv_transfer_params`` keys a request (or a router) sets to cap or skip its load.
 MAX_LOAD_TOKENS = "max_load_tokens"
 SKIP_LOAD = "skip_load"
+LOAD_POLICY = "load_policy"
+SKIP_SAVE = "skip_save"
 
 
 def load_limits(request: Request) -> tuple[bool, int | None]:
@@ -61,6 +64,39 @@ def load_limits(request: Request) -> tuple[bool, int | None]:
                     request.request_id, MAX_LOAD_TOKENS, raw)  # fmt: skip
         return skip, None
     return skip, raw
+
+
+def skips_save(request: Request) -> bool:
+    """Whether a request's ``kv_transfer_params`` say ``skip_save``: ``true``, none of its
+    chunks are saved (a prompt not worth keeping, or one its sender wants kept nowhere).  A
+    value that is not a bool is ignored, with a warning."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return False
+    skip = params.get(SKIP_SAVE, False)
+    if type(skip) is not bool:
+        log.warning("request %s: %s must be true or false, got %r; ignoring it",
+                    request.request_id, SKIP_SAVE, skip)  # fmt: skip
+        return False
+    return skip
+
+
+def request_load_policy(request: Request) -> str:
+    """A request's own load policy from its ``kv_transfer_params`` (``load_policy``: a
+    built-in policy's name, ``"always"``, ``"never"`` or ``"cost"``), or ``""``: the
+    configured one.  Anything else is ignored, with a warning (a request never makes a worker
+    import code)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return ""
+    name = params.get(LOAD_POLICY)
+    if name is None:
+        return ""
+    if name not in LOAD_POLICIES:
+        log.warning("request %s: %s must be one of %s, got %r; ignoring it",
+                    request.request_id, LOAD_POLICY, LOAD_POLICIES, name)  # fmt: skip
+        return ""
+    return str(name)
 
 
 class _SchedulerSide:
@@ -133,10 +169,17 @@ class _SchedulerSide:
         """Build the request's record and start its lookups at once (before vLLM can
         schedule it), skipping vLLM's own prefix-cache hit at this moment."""
         load_ok, save_ok = self._eligibility(request)
+        if save_ok and skips_save(request):
+            save_ok = False
+            self._statistics.save_skipped += 1
         salt = request_salt(request, self._loras) if (load_ok or save_ok) else None
         max_load_tokens = None
+        load_policy = ""
         if load_ok:
             skip, cap = load_limits(request)
+            load_policy = request_load_policy(request)
+            if load_policy == "never":  # (as the workers would answer: without a probe)
+                skip = True
             if skip or cap == 0:
                 # The request (or its router) wants no load: nothing is looked up or held.
                 load_ok = False
@@ -152,6 +195,7 @@ class _SchedulerSide:
             save_ok=save_ok,
             salt=salt,
             max_load_tokens=max_load_tokens,
+            load_policy=load_policy,
         )
         self._requests[request.request_id] = r
         if load_ok:

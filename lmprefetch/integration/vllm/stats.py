@@ -55,6 +55,7 @@ class ConnectorStatistics:
     )
     load_capped: int = _counter("Requests with a max_load_tokens cap")
     load_cap_cut: int = _counter("Hits shortened by a request's max_load_tokens")
+    save_skipped: int = _counter("Requests that asked not to be saved (skip_save)")
     # The workers.
     loaded_chunks: int = _counter("Chunks copied into vLLM's KV cache")
     loaded_bytes: int = _counter("Bytes copied into vLLM's KV cache")
