@@ -595,6 +595,25 @@ def test_side_by_side_groups_the_link_scenarios_of_one_link_and_codec() -> None:
     assert alone.settings()["side_by_side"] == []
 
 
+@pytest.mark.parametrize(
+    ("policies", "configured"),
+    [
+        (["always", "never", "cost"], "cost"),  # cost keeps its state across its requests
+        (["never", "always"], "always"),  # a server configured never looks nothing up
+        (["never"], "never"),
+    ],
+)
+def test_side_by_side_one_server_is_configured_with_a_policy_that_looks_up(
+    policies: list[str], configured: str
+) -> None:
+    from lmprefetch.bench.serve.link_scenario import shared_server_policy
+    from lmprefetch.bench.serve.servers import ScenarioUnavailable
+
+    assert shared_server_policy(policies) == configured
+    with pytest.raises(ScenarioUnavailable, match="only the built-in ones"):
+        shared_server_policy(["always", "pkg.mod:Mine"])
+
+
 def test_every_server_runs_its_model_with_a_core_left_for_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

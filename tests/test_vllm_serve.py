@@ -310,13 +310,13 @@ def test_bench_serve_redis_link_scenarios_serve_every_hit_from_redis(tmp_path: P
 @pytest.mark.slow
 @pytest.mark.slow_link
 @needs_redis
-def test_bench_serve_side_by_side_serves_each_question_on_every_policys_server(
-    tmp_path: Path,
-) -> None:
+def test_bench_serve_side_by_side_serves_every_policy_on_one_server(tmp_path: Path) -> None:
     """``--side-by-side`` (what ``tools/link_runs.py`` runs): the unthrottled link's scenarios
-    share one Redis fill, every measured question is sent to each policy's server, each
-    server computed its fresh documents first, and each server's figures are its own (the
-    hits of ``always`` all from Redis, counted on its requests alone)."""
+    share one Redis fill and one measured server (configured ``cost``), every measured
+    question is sent once per policy, each request naming its scenario's policy, the server
+    computed its fresh documents first, and each scenario's figures are its own requests'
+    (the hits of ``always`` all from Redis, none for ``never``; each lookup decided by the
+    policy its request named)."""
     from lmprefetch.bench.serve.link_scenario import SETTLE_DOCS, has_load_policy
 
     if not has_load_policy():
@@ -339,7 +339,13 @@ def test_bench_serve_side_by_side_serves_each_question_on_every_policys_server(
         assert "error" not in entry, entry
         assert len(entry["settle_ms"]) == SETTLE_DOCS, name
         assert len(entry["decisions"]) == entry["requests"], name
+        assert entry["server_load_policy"] == "cost", name
     always, never = scenarios["fast_remote_always"], scenarios["fast_remote_recompute"]
+    cost = scenarios["fast_remote_cost"]
+    assert {r["decision"] for r in always["decisions"]} == {"loaded"}
+    assert {r.get("policy") for r in always["decisions"]} == {"AlwaysLoad"}
+    assert {r["decision"] for r in never["decisions"]} == {"no lookup"}
+    assert {r.get("policy") for r in cost["decisions"]} == {"CostPolicy"}
     doc_tokens = result["settings"]["long_doc_qa"]["doc_tokens"]
     assert always["hit_tokens"] == always["requests"] * doc_tokens
     assert 1.0 <= always["redis_sent_vs_hit_bytes"] < 1.05

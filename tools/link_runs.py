@@ -2,7 +2,7 @@
 
 Runs ``lmprefetch bench-serve --quick --in-order --side-by-side`` N times, alternating the
 order of the scenarios (odd runs: slow then fast, always, recompute, cost; even runs: the
-reverse, so that no policy's server always starts first or last), prints the load average
+reverse, so that no policy always goes first or last), prints the load average
 before and after each run, and
 writes a Markdown table (one row per run and link: the TTFT p50 of always, recompute and
 cost, cost ÷ the better of the other two, and the cost policy's decisions) to
@@ -11,11 +11,13 @@ better ≤ 1.1 in every run, on both links::
 
     python tools/link_runs.py --runs 5 --out link-runs -- --model random
 
-Side by side (the default): the three policies of a link each have a measured server, up at
-once, and every question goes to each of them in turn, so what the machine does over minutes
-falls on all three alike.  One after the other (``--one-at-a-time``, bench-serve's default),
-two servers doing identical work differed by up to ±20 % on the 2-vCPU machine of
-docs/benchmarks.md, each keeping its pace from its first question to its last.
+Side by side (the default): the three policies of a link share one measured server, each
+request naming its policy, and each round's questions go to every policy in turn, so every
+policy runs at one process's pace and what the machine does over minutes falls on all three
+alike.  One server per policy, one after the other (``--one-at-a-time``, bench-serve's
+default), two servers doing identical work differed by up to ±20 % on the 2-vCPU machine of
+docs/benchmarks.md, each keeping its pace from its first question to its last; started at once
+and sent every question in turn, still by 5-15 %.
 
 Run it with the Python that has vLLM (the servers run under it); bench-serve enters its
 private network namespace itself.  Extra arguments after ``--`` go to bench-serve

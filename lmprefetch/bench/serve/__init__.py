@@ -146,8 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--side-by-side",
         action="store_true",
         help="run the Redis link scenarios of one link side by side: Redis filled and the "
-        "link set up once, one measured server per scenario, every question to each server "
-        "in turn (what the machine does over minutes falls on every load policy alike)",
+        "link set up once, one measured server for all of them, each request naming its "
+        "scenario's load policy, each round's questions to every scenario in turn (every "
+        "policy runs at one process's pace, and what the machine does over minutes falls on "
+        "all of them alike)",
     )
     p.add_argument(
         "--model",

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,9 +51,14 @@ class Completion:
 
 
 async def complete(
-    client: httpx.AsyncClient, model: str, prompt: Sequence[int], max_tokens: int
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> Completion:
-    """Send one streamed completion and time it.
+    """Send one streamed completion and time it (``kv_transfer_params``: the request's, for
+    the KV connector: lmprefetch's per-request ``load_policy``, for one).
 
     Raises:
         RequestFailed: an HTTP error status, an error event, or no generated token.
@@ -67,6 +73,8 @@ async def complete(
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
     first: float | None = None
     usage: dict[str, object] | None = None
     output: list[int] = []

@@ -87,6 +87,7 @@ def decision_rows(
         if lookup is not None:
             answered = float(lookup["wall"]) + float(lookup["answered_s"])
             row.update(
+                policy=lookup.get("policy"),  # the class that decided (a request may name one)
                 lookup_ms=float(lookup["answered_s"]) * 1e3,
                 probe_ms=sum(float(p["seconds"]) for p in lookup["probes"]) * 1e3,
                 predicted_load_ms=_ms(lookup["predicted_load_s"]),

@@ -2,7 +2,8 @@
 
 A first server fills Redis over loopback; a second one, with the load policy under test and a
 CPU tier too small to keep a document, reads every hit through the link (:mod:`.link` shapes
-the slow one).  The link as a client sees it is measured before the server uses it.
+the slow one).  The link as a client sees it is measured before the server uses it.  Side by
+side, the second server runs several scenarios' policies, each request naming its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from .rounds import WorkloadStats, run_round, send_request, warm_up
 from .servers import (
     Context,
     ScenarioUnavailable,
-    Server,
     lmprefetch_kv_config,
     start_server,
     stop_server,
@@ -79,6 +79,29 @@ def read_decision_logs(directory: Path) -> list[dict[str, Any]]:
         records.extend(msgspec.to_builtins(r) for r in decode_records(path.read_bytes()))
     records.sort(key=lambda r: float(r["wall"]))
     return records
+
+
+def shared_server_policy(policies: Sequence[str]) -> str:
+    """The ``load_policy`` configured on the one measured server of link scenarios side by
+    side, whose requests each name their own: ``cost`` when one of them runs it (the policy
+    then keeps its state across its requests, as on a server of its own), else the first
+    that loads (a server configured ``never`` sends no lookups, whatever a request says).
+
+    Raises:
+        ScenarioUnavailable: a policy is not a built-in one (only those can be named per
+            request).
+    """
+    from ...policy import BUILTIN_POLICIES
+
+    for policy in policies:
+        if policy not in BUILTIN_POLICIES:
+            raise ScenarioUnavailable(
+                f"side by side, every policy goes with the requests, and only the built-in "
+                f"ones {BUILTIN_POLICIES} can: not {policy!r}"
+            )
+    if "cost" in policies:
+        return "cost"
+    return next((p for p in policies if p != "never"), "never")
 
 
 def link_cpu_bytes(opts: ServeBenchOptions) -> int:
@@ -194,14 +217,19 @@ async def run_link_scenarios(
     ctx: Context, scenarios: Sequence[Scenario], procs: ProcessSet, scenario_tmp: Path
 ) -> dict[str, dict[str, Any]]:
     """Link scenarios of one link and codec side by side (``--side-by-side``): Redis is
-    filled once and the link set up once, as in :func:`run_link_scenario`; then one measured
-    server per scenario (each its own ``load_policy``) is started, and every question goes to
-    each of them in turn, the first of them changing from question to question, each alone on
-    the machine while it runs.  What the machine does over minutes (another process, the
-    host's own load) then falls on every policy alike instead of on whichever scenario ran
-    then; before the next server gets the question, Redis holds every whole chunk of its
-    prompt (the previous server's writes are not on the link).  One scenario: exactly
-    :func:`run_link_scenario`.  Results by scenario name."""
+    filled once and the link set up once, as in :func:`run_link_scenario`; then **one**
+    measured server serves them all, each request naming its scenario's load policy
+    (lmprefetch's per-request ``load_policy``, :func:`shared_server_policy` configured) and
+    saving nothing (``skip_save``: Redis holds every chunk already, and a saved document
+    would stay in the CPU tier for the next policy's request of it).
+    Each round goes to every scenario in turn, a block of its questions each, the first
+    block's scenario changing from round to round.  Every policy then runs at the same
+    process's pace, and what the machine does over minutes falls on all of them alike: two
+    servers doing the same work side by side kept a 5-15 % difference for their whole life on
+    the 2-vCPU machine of docs/benchmarks.md, as large as the margin of the cost policy's
+    goal.  Before the next request, Redis holds every whole chunk of the last one's prompt
+    (its writes are not on the link).  One scenario: :func:`run_link_scenario`.  Results by
+    scenario name."""
     opts = ctx.opts
     first = scenarios[0]
     if any((sc.link, sc.codec) != (first.link, first.codec) for sc in scenarios):
@@ -251,100 +279,91 @@ async def run_link_scenarios(
             _time_link, f"redis://127.0.0.1:{port}", first_chunk
         )
         traced = await trio.to_thread.run_sync(has_decision_log)
-        servers: list[Server] = []
-        logs: list[Path] = []
+        # One measured server for every scenario: the scenario's own policy is its configured
+        # one, several scenarios' go with each request (lmprefetch's ``load_policy`` in
+        # ``kv_transfer_params``), so that they share one process's pace.
+        server_policy = policies[0] if len(scenarios) == 1 else shared_server_policy(policies)
+        kv_config = lmprefetch_kv_config(opts, redis_url=f"redis://127.0.0.1:{port}")
+        extra = kv_config["kv_connector_extra_config"]
+        extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
+        if supported:
+            extra["load_policy"] = server_policy
+        if first.codec is not None:
+            extra["redis_codec"] = first.codec
+        log_dir = scenario_tmp / "decisions"
+        log_dir.mkdir()
+        if traced:
+            extra["decision_log"] = str(log_dir / "decisions-{rank}.jsonl")
+        ctx.progress.status(f"starting the measured server of {label}")
+        server = await start_server(
+            procs, ctx, f"{label} server", prefix_caching=True, kv_transfer_config=kv_config
+        )
         try:
-            for k, (sc, policy) in enumerate(zip(scenarios, policies, strict=True)):
-                kv_config = lmprefetch_kv_config(opts, redis_url=f"redis://127.0.0.1:{port}")
-                extra = kv_config["kv_connector_extra_config"]
-                extra.update(_LINK_TIMEOUTS, cpu_bytes=link_cpu_bytes(opts))
-                if supported:
-                    extra["load_policy"] = policy
-                if sc.codec is not None:
-                    extra["redis_codec"] = sc.codec
-                log_dir = scenario_tmp / f"decisions-{k}"
-                log_dir.mkdir()
-                logs.append(log_dir)
-                if traced:
-                    extra["decision_log"] = str(log_dir / "decisions-{rank}.jsonl")
-                ctx.progress.status(f"starting the measured server of {sc.name}")
-                servers.append(
-                    await start_server(
-                        procs,
-                        ctx,
-                        f"{sc.name} server",
-                        prefix_caching=True,
-                        kv_transfer_config=kv_config,
-                    )
-                )
             ctx.progress.status("")
-            settle_ms: list[list[float]] = []
-            for k, server in enumerate(servers):
-                # First-run costs off the measured requests, and the engine's prefill measured
-                # at a document's length (the cost policy's input): fresh documents (each
-                # server its own), computed, :data:`SETTLE_DOCS` of them.  Their chunks are
-                # stored to Redis through the link; wait until they are there, so their writes
-                # do not share the link with the first measured loads.
-                fresh = probe_prompts(
-                    SETTLE_DOCS,
-                    opts.long_doc.doc_tokens,
-                    opts.vocab,
-                    opts.seed + 1 + 1000 * k,
-                    opts.prompt_corpus,
-                )
-                await warm_up(ctx, server)
-                took = []
-                for prompt in fresh:
-                    took.append((await send_request(ctx, server, prompt, 1)).ttft_s * 1e3)
-                settle_ms.append(took)
-                await wait_in_redis(ctx, redis_url, fresh)
-            stats = [WorkloadStats() for _ in servers]
-            sent = [0] * len(servers)
-            if len(servers) == 1:
-                sent_before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
-                for requests in rounds[1:]:
-                    await run_round(ctx, requests, servers, lambda _: 0, 1, stats[0])
-                sent[0] = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
-                sent[0] -= sent_before
-            else:
-                question = 0
-                for requests in rounds[1:]:
+            # First-run costs off the measured requests, and the engine's prefill measured at a
+            # document's length (the cost policy's input): fresh documents, computed,
+            # :data:`SETTLE_DOCS` of them.  Their chunks are stored to Redis through the link;
+            # wait until they are there, so their writes do not share the link with the first
+            # measured loads.
+            fresh = probe_prompts(
+                SETTLE_DOCS, opts.long_doc.doc_tokens, opts.vocab, opts.seed + 1, opts.prompt_corpus
+            )
+            await warm_up(ctx, server)
+            settle_ms = []
+            for prompt in fresh:
+                settle_ms.append((await send_request(ctx, server, prompt, 1)).ttft_s * 1e3)
+            await wait_in_redis(ctx, redis_url, fresh)
+            stats = [WorkloadStats() for _ in scenarios]
+            sent = [0] * len(scenarios)
+            n = len(scenarios)
+            for r, requests in enumerate(rounds[1:]):
+                # Each scenario's block of the round's questions in turn, the first block's
+                # scenario changing from round to round; between two requests for the same
+                # document every other document passes, as on a server of its own, so neither
+                # vLLM's prefix cache nor the CPU tier holds it (see link_cpu_bytes).
+                for k in [(r + j) % n for j in range(n)]:
+                    # Side by side, a request names its policy and is not saved: a document
+                    # one policy's request recomputed and saved would stay in the CPU tier (a
+                    # load frees the arena slots it takes, so only saves evict) and serve the
+                    # next policy's request of it, which must read Redis through the link.
+                    params = (
+                        None if n == 1 else {"load_policy": policies[k], "skip_save": True}
+                    )
                     for req in requests:
-                        n = len(servers)
-                        for k in [(question + j) % n for j in range(n)]:
-                            before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
-                            await run_round(ctx, [req], [servers[k]], lambda _: 0, 1, stats[k])
-                            if not await wait_in_redis(ctx, redis_url, [req.prompt]):
-                                raise ServerError(
-                                    f"{scenarios[k].name}: a prompt's chunks did not reach "
-                                    "Redis within 60 s"
-                                )
-                            after = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
-                            sent[k] += after - before
-                        question += 1
-            traces = [
-                await trio.to_thread.run_sync(read_decision_logs, d) if traced else None
-                for d in logs
-            ]
+                        before = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+                        await run_round(ctx, [req], [server], lambda _: 0, 1, stats[k], params)
+                        # The prompt's chunks in Redis before the next request: its writes
+                        # are not on the link while the next one loads.
+                        if not await wait_in_redis(ctx, redis_url, [req.prompt]):
+                            raise ServerError(
+                                f"{scenarios[k].name}: a prompt's chunks did not reach Redis "
+                                "within 60 s"
+                            )
+                        after = await trio.to_thread.run_sync(_redis_sent_bytes, redis_url)
+                        sent[k] += after - before
+            records = (
+                await trio.to_thread.run_sync(read_decision_logs, log_dir) if traced else None
+            )
         finally:
-            for server in servers:
-                await server.client.aclose()
+            await server.client.aclose()
             ctx.progress.end()
     together = [sc.name for sc in scenarios] if len(scenarios) > 1 else None
     return {
         sc.name: {
             "long_doc_qa": stats[k],
             "chat": None,
-            "startup_s": [startups[0], servers[k].startup_s],
+            "startup_s": [startups[0], server.startup_s],
             "link": link,
             "load_policy": policies[k],
             "load_policy_set": supported,
             "redis_codec": sc.codec or "none",
             "lmprefetch_cpu_bytes": link_cpu_bytes(opts),
             "redis_sent_bytes": sent[k],
-            "trace": traces[k],
-            "settle_ms": settle_ms[k],
-            **({"side_by_side": together} if together else {}),
+            # The server's whole trace (a question's records are those of its time window: one
+            # request is in flight at a time).
+            "trace": records,
+            "settle_ms": settle_ms,
+            **({"side_by_side": together, "server_load_policy": server_policy} if together else {}),
         }
         for k, sc in enumerate(scenarios)
     }

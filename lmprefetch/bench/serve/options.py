@@ -260,7 +260,8 @@ class ServeBenchOptions:
     #: Run the scenarios in the order ``scenarios`` names them (default: :data:`SCENARIOS`'s).
     in_order: bool = False
     #: Run the link scenarios of one link (and codec) side by side: one Redis and link, one
-    #: measured server each, every question to each in turn (:meth:`scenario_groups`).
+    #: measured server for all, each request naming its scenario's load policy
+    #: (:meth:`scenario_groups`, :func:`.link_scenario.run_link_scenarios`).
     side_by_side: bool = False
 
     def scenarios_to_run(self) -> tuple[Scenario, ...]:

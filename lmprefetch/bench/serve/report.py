@@ -184,6 +184,13 @@ def _link(raw: dict[str, Any], entry: dict[str, Any], kv_per_token: int) -> dict
         "redis_sent_vs_hit_bytes": _ratio(float(raw["redis_sent_bytes"]), float(hit_bytes)),
         # The measured server's fresh documents before the measured rounds (its pace settling).
         "settle_ms": [round(x) for x in raw.get("settle_ms", [])],
+        # Side by side: the policy configured on the server the scenarios shared (each
+        # request named its scenario's).
+        **(
+            {"server_load_policy": raw["server_load_policy"]}
+            if "server_load_policy" in raw
+            else {}
+        ),
     }
 
 
@@ -431,8 +438,11 @@ def format_report(summary: dict[str, Any]) -> str:
                 [
                     "Side by side (--side-by-side): "
                     + "; ".join(" + ".join(g) for g in s["side_by_side"])
-                    + ": one Redis and link, one measured server each, every question sent to "
-                    "each server in turn (the first changing from question to question)."
+                    + ": one Redis and link, and one measured server for all of them, each "
+                    "request naming its scenario's load policy and saving nothing "
+                    "(kv_transfer_params load_policy, skip_save); "
+                    "every round's questions go to each scenario in turn, the first changing "
+                    "from round to round."
                 ]
                 if s.get("side_by_side")
                 else []
@@ -451,6 +461,11 @@ def format_report(summary: dict[str, Any]) -> str:
                 f"  {e['link']['mechanism']}" + _link_measured(e["link"])
             )
         settled = [(n, e["settle_ms"]) for n, e in links if e.get("settle_ms")]
+        # Scenarios side by side share their server, and so its fresh documents: shown once.
+        shared: dict[tuple[int, ...], list[str]] = {}
+        for n, ms in settled:
+            shared.setdefault(tuple(ms), []).append(n)
+        settled = [(" + ".join(names), list(ms)) for ms, names in shared.items()]
         if settled:
             lines.append(
                 "  fresh documents computed first, TTFT ms (the prefill model's input, each "

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import trio
@@ -60,10 +61,14 @@ class WorkloadStats:
 
 
 async def send_request(
-    ctx: Context, server: Server, prompt: Sequence[int], max_tokens: int
+    ctx: Context,
+    server: Server,
+    prompt: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> Completion:
     with trio.fail_after(ctx.opts.request_timeout_s):
-        return await complete(server.client, SERVED_MODEL, prompt, max_tokens)
+        return await complete(server.client, SERVED_MODEL, prompt, max_tokens, kv_transfer_params)
 
 
 async def run_round(
@@ -73,8 +78,10 @@ async def run_round(
     route: Callable[[Request], int],
     concurrency: int,
     stats: WorkloadStats,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> None:
-    """Send one round's requests (``concurrency`` in flight, in order) and record them."""
+    """Send one round's requests (``concurrency`` in flight, in order, each with
+    ``kv_transfer_params``) and record them."""
     measured = any(r.measured for r in requests)
     before = [await scrape_metrics(s.client) for s in servers]
     send, receive = trio.open_memory_channel[Request](len(requests))
@@ -90,7 +97,9 @@ async def run_round(
         # the nursery.
         async for req in receive:
             try:
-                result = await send_request(ctx, servers[route(req)], req.prompt, req.max_tokens)
+                result = await send_request(
+                    ctx, servers[route(req)], req.prompt, req.max_tokens, kv_transfer_params
+                )
             except (RequestFailed, httpx.HTTPError, trio.TooSlowError) as exc:
                 failures.append(exc)
                 cancel_scope.cancel()
