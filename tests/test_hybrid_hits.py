@@ -54,8 +54,10 @@ class FakeClient:
         hashes: list[int] | None = None,
         offsets: list[int] | None = None,
         salt: bytes | None = None,
+        load_policy: str = "",
     ) -> int | None:
         assert salt is None  # these requests have no cache salt: the shared name space
+        assert load_policy == ""  # nor a load policy of their own
         if lookup_id in self.answers:
             return self.answers[lookup_id]
         if lookup_id in self.pending:
