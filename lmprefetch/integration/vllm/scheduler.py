@@ -43,19 +43,29 @@ LOAD_POLICY = "load_policy"
 SKIP_SAVE = "skip_save"
 
 
+def _params(request: Request) -> dict[str, object]:
+    """The request's ``kv_transfer_params`` (empty when it has none)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else {}
+
+
+def _flag(request: Request, params: dict[str, object], key: str) -> bool:
+    """A bool key of ``params`` (absent: false); another value is ignored, with a warning."""
+    value = params.get(key, False)
+    if type(value) is not bool:
+        log.warning("request %s: %s must be true or false, got %r; ignoring it",
+                    request.request_id, key, value)  # fmt: skip
+        return False
+    return value
+
+
 def load_limits(request: Request) -> tuple[bool, int | None]:
     """A request's own load limits from its ``kv_transfer_params``: ``skip_load`` (``true``:
     load nothing) and ``max_load_tokens`` (vLLM's key: an int >= 0 caps the tokens loaded
     beyond what vLLM computed or holds itself; 0 loads nothing).  A value of the wrong type
     is ignored, with a warning."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return False, None
-    skip = params.get(SKIP_LOAD, False)
-    if type(skip) is not bool:
-        log.warning("request %s: %s must be true or false, got %r; ignoring it",
-                    request.request_id, SKIP_LOAD, skip)  # fmt: skip
-        skip = False
+    params = _params(request)
+    skip = _flag(request, params, SKIP_LOAD)
     raw = params.get(MAX_LOAD_TOKENS)
     if raw is None:
         return skip, None
@@ -70,15 +80,7 @@ def skips_save(request: Request) -> bool:
     """Whether a request's ``kv_transfer_params`` say ``skip_save``: ``true``, none of its
     chunks are saved (a prompt not worth keeping, or one its sender wants kept nowhere).  A
     value that is not a bool is ignored, with a warning."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return False
-    skip = params.get(SKIP_SAVE, False)
-    if type(skip) is not bool:
-        log.warning("request %s: %s must be true or false, got %r; ignoring it",
-                    request.request_id, SKIP_SAVE, skip)  # fmt: skip
-        return False
-    return skip
+    return _flag(request, _params(request), SKIP_SAVE)
 
 
 def request_load_policy(request: Request) -> str:
@@ -86,10 +88,7 @@ def request_load_policy(request: Request) -> str:
     built-in policy's name, ``"always"``, ``"never"`` or ``"cost"``), or ``""``: the
     configured one.  Anything else is ignored, with a warning (a request never makes a worker
     import code)."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return ""
-    name = params.get(LOAD_POLICY)
+    name = _params(request).get(LOAD_POLICY)
     if name is None:
         return ""
     if name not in LOAD_POLICIES:
