@@ -78,7 +78,7 @@ from .policy import (
     make_policy,
     when_decides,
 )
-from .tiers.base import TenantTier, Tier, ZeroCopyTier
+from .tiers.base import SyncProbeTier, TenantTier, Tier, ZeroCopyTier
 from .tiers.cpu import CpuTier
 from .trace import DecisionTrace, ProbeTrace
 
@@ -104,6 +104,18 @@ class _PolicyUse:
     decides_first: bool
     worth_probing: Callable[[LoadRequest], bool] | None
     records: TraceRecords
+
+
+def _probes_now(tier: Tier) -> bool:
+    """Whether ``tier`` answers a probe synchronously (:class:`SyncProbeTier`), and its
+    ``contains_prefix_now`` is the probe its ``contains_prefix`` makes: a subclass that
+    overrides ``contains_prefix`` alone (to slow it, count it, fail it) is awaited."""
+    if not callable(getattr(tier, "contains_prefix_now", None)):
+        return False
+    mro = type(tier).__mro__
+    now = next((c for c in mro if "contains_prefix_now" in vars(c)), None)
+    awaited = next((c for c in mro if "contains_prefix" in vars(c)), object)
+    return now is not None and issubclass(now, awaited)
 
 
 class LookupIO:
@@ -149,6 +161,11 @@ class LookupIO:
         self._probe_order: tuple[tuple[Tier, bool], ...] = tuple(
             (t, isinstance(t, ZeroCopyTier)) for t in tiers
         )
+        # ... and which can be probed synchronously (an index in memory): no cancel scope, no
+        # checkpoint, no pass of the scheduler (SyncProbeTier).
+        self._probe_now: dict[int, Callable[..., int]] = {
+            id(t): cast(SyncProbeTier, t).contains_prefix_now for t in tiers if _probes_now(t)
+        }
         # ... and which tiers seal chunks per tenant: their loads take the lookup's tenant.
         self._per_tenant = frozenset(id(t) for t in tiers if getattr(t, "per_tenant", False))
         self._other_tiers = tuple(t for t in tiers if t is not cpu)
@@ -476,26 +493,38 @@ class LookupIO:
 
         tier_timeout = self._config.tier_timeout_s
         chosen = 0  # the hit chunks the policy chose (past skip_chunks), once it decided
+        probe_order = self._probe_order
+        last_tier = len(probe_order) - 1
+        # The last part to load is awaited in this task rather than started in one of its
+        # own: nothing else is left for this task to do meanwhile, and a task costs a spawn
+        # and two passes of the scheduler (the budget in docs/benchmarks.md).
+        lone: _Part | None = None
         with trio.move_on_at(deadline) as budget:
             async with trio.open_nursery() as loads:
-                for tier, zero_copy in self._probe_order:
+                for tier_index, (tier, zero_copy) in enumerate(probe_order):
                     if next_chunk >= n_chunks:
                         break  # everything hit: stop probing early
                     if tier in ruled_out:
                         continue  # the policy: no load from it could win
                     remaining = keys[next_chunk * kpc :]
                     probe_t0 = trio.current_time()
+                    probe_now = self._probe_now.get(id(tier))
                     try:
-                        with trio.move_on_after(tier_timeout) as probe:
-                            raw = await tier.contains_prefix(remaining, pin=True)
+                        if probe_now is not None:
+                            raw = probe_now(remaining, pin=True)
+                        else:
+                            with trio.move_on_after(tier_timeout) as probe:
+                                raw = await tier.contains_prefix(remaining, pin=True)
+                            if probe.cancelled_caught:
+                                log.warning(
+                                    "tier %s probe timed out; prefix ends there", tier.name
+                                )
+                                tier.stats.errors += 1
+                                break
                     except Exception:
                         log.warning(
                             "tier %s failed a probe; prefix ends there", tier.name, exc_info=True
                         )
-                        tier.stats.errors += 1
-                        break
-                    if probe.cancelled_caught:
-                        log.warning("tier %s probe timed out; prefix ends there", tier.name)
                         tier.stats.errors += 1
                         break
                     # No checkpoint from here until the part is registered.
@@ -522,7 +551,10 @@ class LookupIO:
                         part.release_buffers(part.loaded * kpc)
                         part.pins.release()
                     elif load_at_once:
-                        loads.start_soon(self._load_part, part, notes, tenant)
+                        if next_chunk >= n_chunks or tier_index == last_tier:
+                            lone = part  # no probe follows: awaited below
+                        else:
+                            loads.start_soon(self._load_part, part, notes, tenant)
                 # No checkpoint from the last probe to the loads' start: the policy decides,
                 # and what it drops is released now.
                 found = next_chunk - skip_chunks
@@ -540,6 +572,7 @@ class LookupIO:
                         cum[skip_chunks],
                         cum[-1],
                     )
+                    to_load = []
                     for part in parts:
                         mine = max(0, min(part.n_chunks, keep))
                         if mine < part.n_chunks and self._calibrations.needed(part):
@@ -551,10 +584,16 @@ class LookupIO:
                         part.truncate(mine, kpc)
                         keep -= part.n_chunks
                         if part.n_chunks and not part.zero_copy:
-                            loads.start_soon(self._load_part, part, notes, tenant)
+                            to_load.append(part)
+                    if to_load:
+                        lone = to_load.pop()
+                    for part in to_load:
+                        loads.start_soon(self._load_part, part, notes, tenant)
                     keep = sum(p.n_chunks for p in parts)
                 self._lookups.note_decision(found, keep)
                 chosen = keep
+                if lone is not None:
+                    await self._load_part(lone, notes, tenant)
         # -- 4. keep the contiguous prefix; release everything past the first hole ----------
         total = skip_chunks
         kept: Pairs = []
@@ -730,7 +769,7 @@ class LookupIO:
                     batches.start_soon(in_slot, index)
         finally:
             if part.loaded:
-                n_bytes = sum(len(buf.view()) for buf in part.buffers[: part.loaded * kpc])
+                n_bytes = sum(buf.length for buf in part.buffers[: part.loaded * kpc])
                 now = trio.current_time()
                 tier.stats.observe_load(n_bytes, now - t0, now, part.probe_s)
 

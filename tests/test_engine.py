@@ -684,6 +684,83 @@ async def test_d09_concurrent_disk_lookups_are_all_in_flight_at_once(
                 assert_conserved(engine)
 
 
+class SpawnCounter(trio.abc.Instrument):
+    """Counts the tasks spawned, and the task steps run, while installed."""
+
+    def __init__(self) -> None:
+        self.spawned: list[str] = []
+        self.steps = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.spawned.append(task.name)
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+
+
+@pytest.mark.parametrize("policy", ["always", "cost"])
+async def test_a_lone_disk_hit_takes_one_task_and_no_probe_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """A hit one tier serves whole: the disk tier is probed synchronously (its index is in
+    memory: no await of ``contains_prefix``), and its load, the lookup's last, runs in the
+    lookup's own task: one task spawned per lookup, whichever policy decides and when."""
+    config = disk_config(tmp_path, load_policy=policy)
+    toks, data = tokens(6), payloads(6)
+    await on_disk(config, (toks, data))
+    with trio.fail_after(DISK_LIMIT_S):
+        async with open_engine(config) as engine:
+            disk = the_disk(engine)
+            awaited: list[int] = []
+            real_probe = disk.contains_prefix
+
+            async def counted_probe(keys: Any, *, pin: bool) -> int:
+                awaited.append(len(keys))
+                return await real_probe(keys, pin=pin)
+
+            monkeypatch.setattr(disk, "contains_prefix", counted_probe)
+            hashes = engine.hasher.hash(toks)
+            counter = SpawnCounter()
+            trio.lowlevel.add_instrument(counter)
+            try:
+                hit = await engine.lookup_and_prefetch("L", hashes, offsets(6))
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            assert hit == 6 * CHUNK
+            assert counter.spawned == ["lookup:L"]
+            assert awaited == []
+            assert disk.stats.probes == 1
+            with engine.claim("L") as chunks:
+                assert [bytes(b.view()) for _, b in chunks] == data
+            await engine.wait_quiet()
+            assert_conserved(engine)
+
+
+def test_a_tier_overriding_only_the_awaited_probe_is_awaited() -> None:
+    """The synchronous probe is used only where it is the probe ``contains_prefix`` makes: a
+    subclass that overrides ``contains_prefix`` alone (to slow, count or fail it) keeps it."""
+    from lmprefetch.lookup_io import _probes_now
+    from lmprefetch.tiers.cpu import CpuTier
+
+    class Slowed(DiskTier):
+        async def contains_prefix(self, keys: Any, *, pin: bool) -> int:
+            await trio.sleep(1)
+            return await super().contains_prefix(keys, pin=pin)
+
+    class SlowedBoth(Slowed):
+        def contains_prefix_now(self, keys: Any, *, pin: bool) -> int:
+            return super().contains_prefix_now(keys, pin=pin)
+
+    def bare(cls: type[Any]) -> Any:
+        return cls.__new__(cls)  # (only the class is looked at)
+
+    assert _probes_now(bare(DiskTier))
+    assert _probes_now(bare(CpuTier))
+    assert not _probes_now(bare(Slowed))
+    assert _probes_now(bare(SlowedBoth))
+    assert not _probes_now(FakeTier("remote"))
+
+
 async def test_d13_disk_file_deleted_between_probe_and_load_truncates(tmp_path: Path) -> None:
     """Chunk 1's file goes after the disk tier indexed it: the disk load stops there, and the
     remote tier's later chunks are not used (never paired with the wrong keys)."""

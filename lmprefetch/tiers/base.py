@@ -248,6 +248,17 @@ class Tier(Protocol):
         ...
 
 
+class SyncProbeTier(Tier, Protocol):
+    """A tier whose index is in memory (an optional capability, found by feature detection):
+    :meth:`contains_prefix_now` is :meth:`Tier.contains_prefix` answered synchronously, with
+    no checkpoint.  The engine's lookup probes such a tier without a cancel scope or a pass of
+    Trio's scheduler."""
+
+    def contains_prefix_now(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """How many leading ``keys`` this tier holds; pins them when ``pin`` (synchronous)."""
+        ...
+
+
 class TenantTier(Tier, Protocol):
     """A tier that seals its chunks per tenant (encryption on; its ``per_tenant`` is true):
     its loads and writes take the tenant they are for (``b""``: the shared name space)."""

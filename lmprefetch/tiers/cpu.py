@@ -47,7 +47,11 @@ class CpuTier(BaseTier):
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
         await trio.lowlevel.checkpoint()
-        return self._count_prefix(self._entries, keys, pin)  # synchronous: pins come last
+        return self.contains_prefix_now(keys, pin=pin)  # synchronous: pins come last
+
+    def contains_prefix_now(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """:meth:`contains_prefix` without its checkpoint (the entries are in memory)."""
+        return self._count_prefix(self._entries, keys, pin)
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[Buffer]:
         """One owner reference per cached buffer of the leading ``keys`` (stops at a miss)."""

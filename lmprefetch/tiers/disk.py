@@ -225,9 +225,14 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
 
     async def contains_prefix(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
         await trio.lowlevel.checkpoint()
+        return self.contains_prefix_now(keys, pin=pin)  # synchronous: pins come last
+
+    def contains_prefix_now(self, keys: Sequence[ChunkKey], *, pin: bool) -> int:
+        """:meth:`contains_prefix` without its checkpoint: the index is in memory, so the
+        engine's lookup probes this tier synchronously (a probe that may wait is awaited)."""
         phases = self.phases
         t0 = perf_counter() if phases is not None else 0.0
-        found = self._count_prefix(self._index, keys, pin)  # synchronous: pins come last
+        found = self._count_prefix(self._index, keys, pin)
         if phases is not None:
             phases.add("probe", t0, perf_counter())
         return found
@@ -268,11 +273,13 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
             await trio.lowlevel.checkpoint()
             return 0
         trusted = self._trusted if self.verify_once else {}
-        with contextlib.ExitStack() as slots:  # released once no thread can touch them
+        slots: list[memoryview] = []
+        try:  # the slots' views are released once no thread can touch them
+            slots.extend(buf.slot() for buf in buffers[:indexed])
             run = _LoadRun(
                 [
-                    (*self._path_and_name(key), slots.enter_context(buf.slot()), trusted.get(key))
-                    for key, buf in zip(keys[:indexed], buffers, strict=False)
+                    (*self._path_and_name(key), slot, trusted.get(key))
+                    for key, slot in zip(keys, slots, strict=False)
                 ],
                 tenant,
             )
@@ -317,6 +324,9 @@ class DiskTier(ChunkReads, WritesBehind, BaseTier):
             finally:
                 # Also on cancellation: bad files leave the index.
                 count, loaded_bytes = self._settle(keys, buffers, run)
+        finally:
+            for slot in slots:
+                slot.release()
         self.stats.chunks_loaded += count
         self.stats.bytes_loaded += loaded_bytes
         return count
