@@ -516,9 +516,7 @@ class LookupIO:
                             with trio.move_on_after(tier_timeout) as probe:
                                 raw = await tier.contains_prefix(remaining, pin=True)
                             if probe.cancelled_caught:
-                                log.warning(
-                                    "tier %s probe timed out; prefix ends there", tier.name
-                                )
+                                log.warning("tier %s probe timed out; prefix ends there", tier.name)
                                 tier.stats.errors += 1
                                 break
                     except Exception:
