@@ -91,7 +91,13 @@ def test_bench_disk_measures_each_goals_limit_beside_its_figure() -> None:
     sample = bench_disk.Sample("alone", 0)
     load = bench_disk.Load(1.0, 2.0, 0.5)
     budget = {
-        "one": {"vs_floor": 2.0, "vs_distinct": 1.25, "distinct_vs_floor": 1.6},
+        "one": {
+            "vs_floor": 2.0,
+            "vs_distinct": 1.25,
+            "distinct_vs_floor": 1.6,
+            "vs_design_floor": 1.2,
+            "trio_cpu_s": 450e-6,
+        },
         "eight": {"vs_floor": 1.8, "vs_distinct": 1.2, "distinct_vs_floor": 1.5},
         "idle_after": True,
     }
@@ -107,6 +113,8 @@ def test_bench_disk_measures_each_goals_limit_beside_its_figure() -> None:
         "cancel_release_ms_p99": 2.0,
     }
     assert set(sample.limits) == set(bench_disk.LIMITS)  # every goal has one
+    assert sample.figures["disk_hit_vs_design_floor"] == 1.2
+    assert sample.figures["disk_hit_trio_cpu_us"] == pytest.approx(450.0)
     assert sample.loads["disk_x8_vs_lmcache"] == load  # its case's load, before → after
     assert sample.ok
 
@@ -214,10 +222,16 @@ def test_the_phase_budget_accounts_for_the_wall_time_of_each_disk_hit() -> None:
     )
     assert cancel["phases"]["trio"]["count"] > 0  # the unwinding runs on the Trio thread
     assert 0 < cancel["wall_s_median"] <= cancel["p99_s"] <= cancel["max_s"]
+    # Beside it, the least a Trio design takes: a task, one hop reading the same files.
+    one = r["one"]
+    assert one["design_floor_trio_cpu_s"] > 0
+    assert one["trio_cpu_s"] > 0
+    assert one["vs_design_floor"] == one["wall_s_median"] / one["design_floor_s"] > 0
     # One disk hit of page-cache chunks: one thread call, so two hand-offs.
     assert r["one"]["phases"]["handoff"]["count"] == 2
     assert r["eight"]["phases"]["handoff"]["count"] == 16
     text = disk_budget.format_budget(r)
     assert text.count("sum (= the mean wall time)") == 3
     assert "cancel of a disk hit in its read thread → released" in text
+    assert "The least a Trio design takes" in text
     assert all(label in text for _, label in disk_budget.PHASES)
