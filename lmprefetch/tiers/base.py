@@ -42,6 +42,7 @@ from ..policy import EWMA_ALPHA, TierCost
 __all__ = [
     "BaseTier",
     "ResidencyListener",
+    "SyncProbeTier",
     "TenantTier",
     "Tier",
     "TierCounters",
