@@ -225,6 +225,7 @@ def test_the_phase_budget_accounts_for_the_wall_time_of_each_disk_hit() -> None:
     # Beside it, the least a Trio design takes: a task, one hop reading the same files.
     one = r["one"]
     assert one["design_floor_trio_cpu_s"] > 0
+    assert one["checked_s"] > 0  # ... and the plain reads with a load's checks
     assert one["trio_cpu_s"] > 0
     assert one["vs_design_floor"] == one["wall_s_median"] / one["design_floor_s"] > 0
     # One disk hit of page-cache chunks: one thread call, so two hand-offs.
@@ -234,4 +235,5 @@ def test_the_phase_budget_accounts_for_the_wall_time_of_each_disk_hit() -> None:
     assert text.count("sum (= the mean wall time)") == 3
     assert "cancel of a disk hit in its read thread → released" in text
     assert "The least a Trio design takes" in text
+    assert "The plain reads with a load's checks" in text
     assert all(label in text for _, label in disk_budget.PHASES)
