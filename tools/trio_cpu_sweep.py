@@ -29,15 +29,8 @@ import time
 
 import trio
 
-from lmprefetch.bench.engine import (
-    CHUNK_TOKENS,
-    _lookup_and_release,
-    _prompt,
-    _store_prompts,
-    arena_bytes,
-)
-from lmprefetch.config import PrefetchConfig
-from lmprefetch.hashing import ChunkHasher
+from lmprefetch.bench.disk_budget import stored_prompts
+from lmprefetch.bench.engine import _lookup_and_release
 from lmprefetch.tiers.chunkfile import RACY_NS
 
 KiB = 1024
@@ -48,15 +41,7 @@ async def _hits(chunks: int, chunk_bytes: int, hits: int) -> tuple[float, float]
     from lmprefetch.wiring import open_engine
 
     with tempfile.TemporaryDirectory(prefix="lmprefetch-sweep-") as tmp:
-        config = PrefetchConfig(
-            chunk_size=CHUNK_TOKENS, chunk_bytes=chunk_bytes,
-            cpu_bytes=arena_bytes(chunks, chunk_bytes), disk_path=tmp,
-            disk_bytes=64 * chunks * chunk_bytes, disk_read_threads=4,
-        )  # fmt: skip
-        offs = [CHUNK_TOKENS] * chunks
-        hasher = ChunkHasher.from_config(config)
-        prompts = [hasher.hash(_prompt(i, chunks, CHUNK_TOKENS)) for i in range(3)]
-        await _store_prompts(config, prompts, os.urandom(chunk_bytes))
+        config, offs, prompts = await stored_prompts(tmp, chunks, chunk_bytes, 3)
         await trio.sleep(RACY_NS / 1e9 + 0.1)  # old enough to be verified once
         async with open_engine(config) as engine:
             for i in range(30):

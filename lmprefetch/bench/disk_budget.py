@@ -36,13 +36,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio.testing
 
 from .. import _stopping
 from .._phases import Phases, perf_counter
+
+if TYPE_CHECKING:
+    from ..config import PrefetchConfig
 
 __all__ = ["PHASES", "attribute", "format_budget", "measure"]
 
@@ -242,25 +245,37 @@ def _sample(phases: Phases, instrument: _TrioRunTime, t0: float, t1: float) -> d
     }
 
 
-async def _measure(
-    chunks: int, chunk_bytes: int, repeats: int, x8_repeats: int, cancel_repeats: int, tmp: str
-) -> dict[str, Any]:
+async def stored_prompts(
+    tmp: str, chunks: int, chunk_bytes: int, n: int
+) -> tuple[PrefetchConfig, list[int], list[list[int]]]:
+    """The disk benchmarks' set-up: an engine configuration with its disk tier in ``tmp`` (and
+    a CPU tier too small to matter), and ``n`` prompts of ``chunks`` chunks of
+    ``chunk_bytes`` written there (flushed, by an engine of their own); ``(config, the chunk
+    token counts, the prompts' hashes)``."""
     from ..config import PrefetchConfig
     from ..hashing import ChunkHasher
-    from ..tiers.chunkfile import PIECE_BYTES, RACY_NS
-    from ..tiers.disk import DiskTier
-    from ..wiring import open_engine
-    from .engine import CHUNK_TOKENS, _lookup_and_release, _prompt, _store_prompts, arena_bytes
+    from .engine import CHUNK_TOKENS, _prompt, _store_prompts, arena_bytes
 
     config = PrefetchConfig(
         chunk_size=CHUNK_TOKENS, chunk_bytes=chunk_bytes,
         cpu_bytes=arena_bytes(chunks, chunk_bytes), disk_path=tmp,
         disk_bytes=64 * chunks * chunk_bytes, disk_read_threads=4,
     )  # fmt: skip
-    offs = [CHUNK_TOKENS] * chunks
     hasher = ChunkHasher.from_config(config)
-    prompts = [hasher.hash(_prompt(i, chunks, CHUNK_TOKENS)) for i in range(9)]
+    prompts = [hasher.hash(_prompt(i, chunks, CHUNK_TOKENS)) for i in range(n)]
     await _store_prompts(config, prompts, os.urandom(chunk_bytes))
+    return config, [CHUNK_TOKENS] * chunks, prompts
+
+
+async def _measure(
+    chunks: int, chunk_bytes: int, repeats: int, x8_repeats: int, cancel_repeats: int, tmp: str
+) -> dict[str, Any]:
+    from ..tiers.chunkfile import PIECE_BYTES, RACY_NS
+    from ..tiers.disk import DiskTier
+    from ..wiring import open_engine
+    from .engine import _lookup_and_release
+
+    config, offs, prompts = await stored_prompts(tmp, chunks, chunk_bytes, 9)
     written_at = time.monotonic()
     out: dict[str, Any] = {"chunks": chunks, "chunk_bytes": chunk_bytes, "cpus": os.cpu_count()}
     step = chunk_bytes + mmap.PAGESIZE
