@@ -142,29 +142,20 @@ def _plain_read_s(
     """Seconds for ``len(groups)`` threads of ``pool`` to read group ``i``'s files, one after
     the other, file ``j`` into ``buffers[i][j % len(buffers[i])]`` (``preadv`` of the whole
     file, as the floor)."""
-
-    def read(files: Sequence[Path], bufs: Sequence[memoryview]) -> None:
-        for j, path in enumerate(files):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.preadv(fd, [bufs[j % len(bufs)]], 0)
-            finally:
-                os.close(fd)
-
     t0 = time.perf_counter()
-    futures = [pool.submit(read, g, b) for g, b in zip(groups, buffers)]
+    futures = [pool.submit(_read_files, g, b) for g, b in zip(groups, buffers)]
     for f in futures:
         f.result()
     return time.perf_counter() - t0
 
 
 def _read_files(files: Sequence[Path], bufs: Sequence[memoryview]) -> None:
-    """Read file ``j`` of ``files`` into ``bufs[j]`` with ``preadv`` (the distinct-slot read,
-    in the calling thread)."""
-    for path, buf in zip(files, bufs):
+    """Read file ``j`` of ``files`` into ``bufs[j % len(bufs)]`` with ``preadv`` of the whole
+    file, one after the other, in the calling thread."""
+    for j, path in enumerate(files):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            os.preadv(fd, [buf], 0)
+            os.preadv(fd, [bufs[j % len(bufs)]], 0)
         finally:
             os.close(fd)
 
